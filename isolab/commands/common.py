@@ -1,0 +1,54 @@
+"""Owns the engine options every engine-backed subcommand shares (model, dtype, cache, audit, faults)."""
+
+from __future__ import annotations
+
+import argparse
+
+from isolab.config import MiB
+from isolab.engine.faults import FAULTS
+
+
+def parse_memory(text: str) -> int:
+    """'256MiB', '1GiB', '512M', or a plain number of bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (try 256MiB or 1GiB)") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--kv-cache-memory", type=parse_memory, default=256 * MiB, help="bytes for the KV pool (256MiB)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    g.add_argument("--audit", action="store_true", help="check writer tags on every read; poison freed blocks")
+    g.add_argument("--inject-fault", action="append", default=[], choices=sorted(FAULTS), metavar="NAME",
+                   help=f"switch one protection off (repeatable): {', '.join(FAULTS)}")
+    g.add_argument("--trace", default=None, metavar="FILE", help="write every block event to this JSONL file")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_cache,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        audit=args.audit,
+        inject_faults=tuple(args.inject_fault),
+        trace_path=args.trace,
+    )

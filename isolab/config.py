@@ -1,0 +1,61 @@
+"""Owns the engine's configuration: frozen dataclasses, validated once, never mutated.
+
+Derived values come back as a new config (dataclasses.replace), never by mutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from isolab.errors import InvalidRequestError
+
+DTYPES = ("bf16", "fp32")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # 16 tokens per block: vLLM's default; small enough that prefix sharing is fine-grained,
+    # large enough that block-table gathers stay cheap.
+    block_size: int = 16
+    # Bytes for the K/V pool (all layers). 256 MiB holds ~11k tokens of SmolLM2-135M in bf16.
+    kv_cache_memory: int = 256 * MiB
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise InvalidRequestError("block_size must be between 1 and 1024", field="block_size")
+        if self.kv_cache_memory <= 0:
+            raise InvalidRequestError("kv_cache_memory must be a positive number of bytes", field="kv_cache_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 512  # tokens computed per step (prompt chunks + decode tokens)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be at least 1", field="max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be at least 1", field="max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a GGUF; None = the default SmolLM2-135M-Instruct Q4_1
+    dtype: str = "bf16"
+    device: str | None = None  # None: cuda when available, else cpu
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None  # None: the model's context length
+    audit: bool = False  # writer tags checked on every read; freed blocks poisoned with NaN
+    inject_faults: frozenset[str] = frozenset()  # names from isolab.engine.faults.FAULTS; never on by default
+    trace_path: str | None = None  # JSONL lifecycle trace of every block event
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
+        from isolab.engine.faults import validate_faults
+
+        validate_faults(self.inject_faults)

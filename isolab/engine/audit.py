@@ -1,0 +1,76 @@
+"""Owns audit mode: writer tags checked on every read and write (claim C13, the "surveillance camera").
+
+Before each forward, for every scheduled chunk:
+  * writes: every block that receives this chunk's K/V must be ALLOCATED to this request alone,
+    in the life (generation) the request attached;
+  * reads: every block in the request's context must be the life it attached, and either its
+    own (ALLOCATED, writer = reader) or SEALED with the reader's scope and an intact checksum.
+A violation names the reader, the block and the writer. Freed blocks are NaN-poisoned by the
+pool, so a read the tags miss still shows up as NaN.
+"""
+
+from __future__ import annotations
+
+from isolab.engine.block_pool import BlockState, KVBlock
+from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_storage import KVStorage
+from isolab.engine.request import Request
+from isolab.engine.scheduler import ScheduledChunk
+from isolab.errors import IsolationViolation
+
+
+def _violation(kind: str, reader: Request, block: KVBlock, why: str) -> IsolationViolation:
+    writer = block.writer
+    msg = (
+        f"isolation violation ({kind}): request {reader.request_id} (scope {reader.scope!r}) {kind}s block "
+        f"{block.block_id} written by {'request ' + writer if writer else 'nobody'} (scope {block.scope!r}, "
+        f"{block.state.value}, generation {block.generation}): {why}"
+    )
+    return IsolationViolation(msg, reader=reader.request_id, block_id=block.block_id, writer=writer)
+
+
+class Auditor:
+    def __init__(self, kv: KVCacheManager, storage: KVStorage) -> None:
+        self.kv = kv
+        self.storage = storage
+        self.num_checks = 0
+        self.violations: list[IsolationViolation] = []
+        self._verified: set[tuple[str, int, int]] = set()  # (reader, block, generation) whose checksum held
+
+    def check_chunk(self, ch: ScheduledChunk) -> IsolationViolation | None:
+        req, bs = ch.request, self.kv.block_size
+        table = self.kv.tables[req.request_id]
+        first_write = ch.start // bs
+        last = (ch.start + ch.num_new_tokens - 1) // bs
+        for i in range(last + 1):
+            ref = table[i]
+            b = ref.block
+            self.num_checks += 1
+            if ref.generation != b.generation:
+                return self._record(_violation("read", req, b, f"the block was reused since generation {ref.generation}"))
+            own = b.state is BlockState.ALLOCATED and b.writer == req.request_id
+            if i >= first_write:
+                if not own or b.ref_cnt != 1:
+                    why = "a shared or foreign block must never be written" if b.ref_cnt != 1 or not own else ""
+                    return self._record(_violation("write", req, b, why or "not the writer"))
+                continue
+            if own:
+                continue
+            if b.state is not BlockState.SEALED:
+                return self._record(_violation("read", req, b, "the block is neither the reader's nor sealed"))
+            if b.scope != req.scope:
+                return self._record(_violation("read", req, b, "the block's scope does not admit the reader"))
+            tag = (req.request_id, b.block_id, b.generation)
+            if tag not in self._verified:
+                if b.checksum is not None and self.storage.checksum(b.block_id) != b.checksum:
+                    return self._record(_violation("read", req, b, "the sealed block's contents changed"))
+                self._verified.add(tag)
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self._verified = {t for t in self._verified if t[0] != request_id}
+
+    def _record(self, v: IsolationViolation) -> IsolationViolation:
+        self.violations.append(v)
+        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer)
+        return v

@@ -1,0 +1,72 @@
+"""Owns the block lifecycle trace: one JSON line per block event, never token contents.
+
+Events: allocated, written, sealed, hit, released, freed, evicted, poisoned, violation.
+Off by default (NullSink); `EngineConfig.trace_path` turns on a JsonlSink.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Protocol
+
+EVENT_KINDS = ("allocated", "written", "sealed", "hit", "released", "freed", "evicted", "poisoned", "violation")
+
+
+class EventSink(Protocol):
+    enabled: bool
+
+    def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None: ...
+
+    def set_step(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    enabled = False
+
+    def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None:
+        return None
+
+    def set_step(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class JsonlSink:
+    enabled = True
+
+    def __init__(self, path: str) -> None:
+        self._fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.step = 0
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None:
+        assert kind in EVENT_KINDS, kind
+        rec = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
+        rec.update(extra)
+        self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+class ListSink(JsonlSink):
+    """In-memory sink for tests."""
+
+    def __init__(self) -> None:  # noqa: D107 - no file
+        self.step = 0
+        self.records: list[dict[str, object]] = []
+
+    def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None:
+        rec: dict[str, object] = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
+        rec.update(extra)
+        self.records.append(rec)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,44 @@
+"""Owns the K/V tensors of the paged pool: one (2, num_blocks, block_size, Hkv, Dh) tensor per layer.
+
+Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from isolab.models.gguf_loader import LlamaHParams
+
+
+def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return hp.num_layers * 2 * block_size * hp.num_kv_heads * hp.head_dim * elem
+
+
+class KVStorage:
+    def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size = block_size
+        # per layer: [0] = K, [1] = V; (2, num_blocks, block_size, Hkv, Dh). Zeros: padding reads stay finite.
+        self.layers = [
+            torch.zeros(2, num_blocks, block_size, hp.num_kv_heads, hp.head_dim, dtype=dtype, device=device)
+            for _ in range(hp.num_layers)
+        ]
+
+    def clear(self, block_id: int) -> None:
+        for kv in self.layers:
+            kv[:, block_id].zero_()
+
+    def poison(self, block_id: int) -> None:
+        for kv in self.layers:
+            kv[:, block_id].fill_(float("nan"))
+
+    def checksum(self, block_id: int) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for kv in self.layers:
+            digest.update(kv[:, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        return digest.digest()
+
+    def has_nan(self, block_id: int) -> bool:
+        return any(bool(torch.isnan(kv[:, block_id]).any()) for kv in self.layers)

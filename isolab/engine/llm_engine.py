@@ -1,0 +1,256 @@
+"""Owns the engine loop: add_request / step / abort over the scheduler, model runner and sampler.
+
+    step():  schedule -> (audit) -> execute -> commit K/V bookkeeping -> sample -> stop checks
+
+Single-threaded by design: one caller drives step(). The server runs it in one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from isolab.config import EngineConfig
+from isolab.engine.audit import Auditor
+from isolab.engine.block_pool import BlockPool
+from isolab.engine.events import EventSink, JsonlSink, NullSink
+from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_storage import KVStorage, bytes_per_block
+from isolab.engine.model_runner import ModelRunner
+from isolab.engine.request import Request, RequestStatus, TokenLogprob
+from isolab.engine.sampler import make_generator, sample
+from isolab.engine.scheduler import Scheduler, SchedulerOutput
+from isolab.errors import InvalidRequestError, IsolabError, IsolationViolation, PromptTooLongError
+from isolab.models.bundle import ModelBundle, load_bundle
+from isolab.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]  # sampled this step
+    new_logprobs: tuple[TokenLogprob, ...]
+    output_token_ids: tuple[int, ...]  # all sampled so far
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: IsolabError | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.bundle = bundle or load_bundle(config.model, config.dtype, config.device)
+        hp = self.bundle.hparams
+        self.tokenizer = self.bundle.tokenizer
+        self.model = self.bundle.model
+        self.max_model_len = min(config.max_model_len or hp.context_length, hp.context_length)
+        cc = config.cache
+        per_block = bytes_per_block(hp, cc.block_size, self.model.dtype)
+        num_blocks = cc.kv_cache_memory // per_block
+        if num_blocks < 2:
+            raise InvalidRequestError(
+                f"kv_cache_memory of {cc.kv_cache_memory} bytes holds fewer than 2 blocks of {per_block} bytes",
+                field="kv_cache_memory",
+            )
+        self.events: EventSink = JsonlSink(config.trace_path) if config.trace_path else NullSink()
+        self.storage = KVStorage(hp, num_blocks, cc.block_size, self.model.dtype, self.model.device)
+        self.pool = BlockPool(
+            num_blocks,
+            storage=self.storage,
+            audit=config.audit,
+            invalidate_on_reuse="reuse-without-invalidate" not in config.inject_faults,
+            events=self.events,
+        )
+        self.kv = KVCacheManager(
+            self.pool,
+            cc.block_size,
+            weights_fingerprint=self.bundle.fingerprint,
+            dtype=config.dtype,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            faults=config.inject_faults,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.storage, self.kv)
+        self.auditor = Auditor(self.kv, self.storage) if config.audit else None
+        # FAULT shared-rng: one generator for every request (seeded once, at start).
+        self.shared_generator = (
+            make_generator(0, self.model.device) if "shared-rng" in config.inject_faults else None
+        )
+        self.requests: dict[str, Request] = {}
+        self._arrival = itertools.count()
+        self.step_count = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_scope: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token", field="prompt")
+        vocab = self.bundle.hparams.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        n = len(prompt_token_ids)
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than the "
+                f"context of {self.max_model_len} tokens",
+                field="prompt",
+            )
+        blocks = self.kv.num_blocks_needed(n + params.max_tokens)
+        if blocks > self.pool.num_usable_blocks:
+            raise PromptTooLongError(
+                f"the request needs {blocks} KV blocks ({n} prompt tokens + {params.max_tokens} new) but the "
+                f"cache holds {self.pool.num_usable_blocks}: it can never fit; raise kv_cache_memory",
+                field="prompt",
+            )
+        req = Request(request_id, list(prompt_token_ids), params, cache_scope, next(self._arrival))
+        if self.shared_generator is None and not params.greedy:
+            req.generator = make_generator(params.seed, self.model.device)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.num_prompt_tokens += n
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are freed at once. False if it is unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.auditor:
+            self.auditor.forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.step_count += 1
+        self.events.set_step(self.step_count)
+        out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if self.auditor is not None:
+            out, outputs = self._audit(out)
+        if not out.chunks:
+            return outputs
+        result = self.runner.execute(out)
+        for ch in out.chunks:
+            self.kv.commit(ch.request, ch.start, ch.num_new_tokens)
+            ch.request.num_computed_tokens = ch.start + ch.num_new_tokens
+        sampling = [out.chunks[i].request for i in result.sample_chunk_indices]
+        for req, (token, lp) in zip(sampling, sample(result.logits, sampling, self.shared_generator), strict=True):
+            req.append_output(token, lp)
+            self.num_generated_tokens += 1
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self.requests.pop(req.request_id, None)
+                if self.auditor:
+                    self.auditor.forget(req.request_id)
+            outputs.append(self._output(req, (token,), (lp,) if lp else ()))
+        return outputs
+
+    def _audit(self, out: SchedulerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        assert self.auditor is not None
+        keep, failed = [], []
+        for ch in out.chunks:
+            v = self.auditor.check_chunk(ch)
+            if v is None:
+                keep.append(ch)
+            else:
+                failed.append((ch.request, v))
+        outputs = []
+        for req, v in failed:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req, (), (), error=v))
+        return SchedulerOutput(tuple(keep), out.preempted_ids, out.num_batched_tokens), outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if not p.ignore_eos and token == self.tokenizer.eos_token_id:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if p.stop:
+            text = self.tokenizer.decode(req.output_token_ids)
+            for s in p.stop:
+                if s in text:
+                    req.stop_reason = s
+                    return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(
+        self,
+        req: Request,
+        new: tuple[int, ...],
+        new_lp: tuple[TokenLogprob, ...],
+        error: IsolabError | None = None,
+    ) -> RequestOutput:
+        finished = req.status.finished
+        reason = "error" if error is not None else (req.status.value if finished else None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new,
+            new_logprobs=new_lp,
+            output_token_ids=tuple(req.output_token_ids),
+            finished=finished,
+            finish_reason=reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            error=error,
+        )
+
+    # -- introspection ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "kv_blocks_total": self.pool.num_usable_blocks,
+            "kv_blocks_free": self.pool.num_free_blocks,
+            "kv_blocks_used": self.pool.num_usable_blocks - self.pool.num_free_blocks,
+            "prefix_cache_queries_tokens": self.kv.num_query_tokens,
+            "prefix_cache_hits_tokens": self.kv.num_hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "evictions": self.pool.num_evictions,
+            "audit_violations": len(self.auditor.violations) if self.auditor else 0,
+            "steps": self.step_count,
+        }
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def empty_cache_check(engine: LLMEngine) -> None:
+    """Assert that an idle engine holds no blocks (used by tests and the server's drain)."""
+    assert not engine.has_unfinished()
+    assert engine.kv.num_held_blocks() == 0
+    engine.pool.check_invariants()
+
+

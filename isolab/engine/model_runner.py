@@ -1,0 +1,113 @@
+"""Owns turning a SchedulerOutput into tensors, running the forward on the paged cache, and logits.
+
+    SchedulerOutput -> (token ids, positions, slot mapping, attention groups) -> model -> logits
+
+Attention groups: all single-token chunks (decode) attend together, padded to the longest
+block table; each multi-token chunk attends alone. Padding points at the null block (zeros)
+and is masked, so a row's result never depends on what else is in the step (bf16; see llama.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_storage import KVStorage
+from isolab.engine.scheduler import SchedulerOutput
+from isolab.models.llama import LlamaModel, attention_core
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    rows: torch.Tensor  # (B, T) row of each query in the step's flat batch; padding repeats a real row
+    valid: torch.Tensor  # (B, T) bool: which entries are real queries
+    q_pos: torch.Tensor  # (B, T) absolute positions
+    block_tables: torch.Tensor  # (B, nb) block ids, padded with the null block
+
+
+class PagedAttention:
+    """AttentionBackend over the paged pool for one step."""
+
+    def __init__(self, storage: KVStorage, slot_mapping: torch.Tensor, groups: list[AttentionGroup], scale: float) -> None:
+        self.storage = storage
+        self.slot_mapping = slot_mapping  # (N,) flat slot of each new token
+        self.groups = groups
+        self.scale = scale
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.storage.layers[layer]  # (2, num_blocks, bs, Hkv, Dh)
+        _, num_blocks, bs, hkv, dh = kv.shape
+        flat = kv.view(2, num_blocks * bs, hkv, dh)
+        flat[0].index_copy_(0, self.slot_mapping, k)
+        flat[1].index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            B, nb = g.block_tables.shape
+            kb = kv[0][g.block_tables].view(B, nb * bs, hkv, dh)  # (B, S, Hkv, Dh)
+            vb = kv[1][g.block_tables].view(B, nb * bs, hkv, dh)
+            o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale)  # (B, T, H, Dh)
+            out[g.rows[g.valid]] = o[g.valid]
+        return out
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    logits: torch.Tensor  # (M, V) float32, one row per sampling chunk, in chunk order
+    sample_chunk_indices: tuple[int, ...]  # which chunks the rows belong to
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager) -> None:
+        self.model = model
+        self.storage = storage
+        self.kv = kv
+        self.device = model.device
+        self.scale = model.hp.head_dim ** -0.5
+
+    def execute(self, out: SchedulerOutput) -> ForwardResult:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode: list[tuple[int, int, list[int]]] = []  # (row, position, block table)
+        groups: list[AttentionGroup] = []
+        last_rows: list[int] = []
+        sample_idx: list[int] = []
+        dev = self.device
+        for ci, ch in enumerate(out.chunks):
+            req = ch.request
+            row0 = len(token_ids)
+            pos = range(ch.start, ch.start + ch.num_new_tokens)
+            token_ids.extend(req.token_ids[ch.start : ch.start + ch.num_new_tokens])
+            positions.extend(pos)
+            slots.extend(self.kv.slot(req, p) for p in pos)
+            n_ctx_blocks = self.kv.num_blocks_needed(ch.start + ch.num_new_tokens)
+            table = self.kv.block_table(req)[:n_ctx_blocks]
+            if ch.num_new_tokens == 1:
+                decode.append((row0, ch.start, table))
+            else:
+                T = ch.num_new_tokens
+                groups.append(AttentionGroup(
+                    rows=torch.arange(row0, row0 + T, device=dev).view(1, T),
+                    valid=torch.ones(1, T, dtype=torch.bool, device=dev),
+                    q_pos=torch.tensor(list(pos), device=dev).view(1, T),
+                    block_tables=torch.tensor(table, device=dev).view(1, -1),
+                ))
+            if ch.samples:
+                last_rows.append(len(token_ids) - 1)
+                sample_idx.append(ci)
+        if decode:
+            nb = max(len(t) for _, _, t in decode)
+            groups.append(AttentionGroup(
+                rows=torch.tensor([r for r, _, _ in decode], device=dev).view(-1, 1),
+                valid=torch.ones(len(decode), 1, dtype=torch.bool, device=dev),
+                q_pos=torch.tensor([p for _, p, _ in decode], device=dev).view(-1, 1),
+                block_tables=torch.tensor([t + [0] * (nb - len(t)) for _, _, t in decode], device=dev),
+            ))
+        attn = PagedAttention(self.storage, torch.tensor(slots, device=dev), groups, self.scale)
+        hidden = self.model.forward(torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn)
+        if not last_rows:
+            return ForwardResult(torch.empty(0, self.model.hp.vocab_size), ())
+        logits = self.model.logits(hidden[torch.tensor(last_rows, device=dev)])
+        return ForwardResult(logits, tuple(sample_idx))

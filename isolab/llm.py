@@ -1,0 +1,147 @@
+"""Owns the offline Python API: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat(...)`.
+
+Runs every request through the paged engine (continuous batching, prefix caching); returns one
+CompletionOutput per prompt, in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from isolab.config import MiB, CacheConfig, EngineConfig, SchedulerConfig
+from isolab.engine.llm_engine import LLMEngine, RequestOutput
+from isolab.engine.request import TokenLogprob
+from isolab.errors import InvalidRequestError
+from isolab.models.bundle import ModelBundle
+from isolab.models.tokenizer import Message
+from isolab.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bf16",
+        *,
+        device: str | None = None,
+        kv_cache_memory: int = 256 * MiB,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        audit: bool = False,
+        inject_faults: Sequence[str] = (),
+        trace_path: str | None = None,
+        bundle: ModelBundle | None = None,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            max_model_len=max_model_len,
+            audit=audit,
+            inject_faults=frozenset(inject_faults),
+            trace_path=trace_path,
+        )
+        self.engine = LLMEngine(self.config, bundle)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty: send some text", field="prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_scope: str | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if not prompt_list:
+            return []
+        return self._run([self._prompt_ids(p) for p in prompt_list], params, cache_scope, on_step)
+
+    def chat(
+        self,
+        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_scope: str | None = None,
+    ) -> list[CompletionOutput]:
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        ids = [self.tokenizer.apply_chat_template(list(c)) for c in convs]  # type: ignore[arg-type]
+        return self._run(ids, params, cache_scope, None)
+
+    def _run(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        cache_scope: str | None,
+        on_step: Callable[[list[RequestOutput]], None] | None,
+    ) -> list[CompletionOutput]:
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompt_ids) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompt_ids):
+            raise InvalidRequestError("give one SamplingParams, or one per prompt", field="params")
+        ids = [f"gen-{next(self._ids)}" for _ in prompt_ids]
+        added: list[str] = []
+        try:
+            for rid, p, sp in zip(ids, prompt_ids, plist, strict=True):
+                self.engine.add_request(rid, p, sp, cache_scope)
+                added.append(rid)
+            final: dict[str, RequestOutput] = {}
+            lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+            while len(final) < len(ids):
+                step = self.engine.step()
+                if on_step:
+                    on_step(step)
+                for o in step:
+                    lps[o.request_id].extend(o.new_logprobs)
+                    if o.finished:
+                        if o.error is not None:
+                            raise o.error
+                        final[o.request_id] = o
+        finally:
+            for rid in added:
+                self.engine.abort(rid)  # no-op for finished requests; frees blocks on error
+        out = []
+        for rid, p, sp in zip(ids, prompt_ids, plist, strict=True):
+            o = final[rid]
+            out.append(CompletionOutput(
+                request_id=rid,
+                prompt_token_ids=tuple(p),
+                token_ids=o.output_token_ids,
+                text=self.tokenizer.decode(o.output_token_ids),
+                finish_reason=o.finish_reason,
+                num_cached_tokens=o.num_cached_tokens,
+                logprobs=tuple(lps[rid]) if sp.logprobs is not None else None,
+            ))
+        return out

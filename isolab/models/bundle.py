@@ -1,0 +1,49 @@
+"""Owns loading a model once: GGUF weights, the forward's parameters and the tokenizer, together.
+
+Bundles are cached per (path, dtype, device): engines with different cache settings (tests,
+fault injection, tenants) share one read-only copy of the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from isolab.models.gguf_loader import LlamaHParams, load_gguf
+from isolab.models.llama import LlamaModel
+from isolab.models.locate import resolve_model_path
+from isolab.models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    path: Path
+    name: str
+    hparams: LlamaHParams
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: str  # SHA-256 of the file: part of every prefix-cache key
+    dtype: str
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, dtype: str, device: str) -> ModelBundle:
+    loaded = load_gguf(path)
+    model = LlamaModel(loaded, dtype=dtype, device=device)
+    tokenizer = Tokenizer(Path(path), loaded.fingerprint)
+    name = str(loaded.metadata.get("general.name") or Path(path).stem)
+    return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype)
+
+
+def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | None = None) -> ModelBundle:
+    path = resolve_model_path(model).resolve() if model is not None else resolve_model_path(None)
+    return _load(str(path), dtype, str(pick_device(device)))

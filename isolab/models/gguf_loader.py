@@ -1,0 +1,196 @@
+"""Owns reading a Llama-family GGUF: validation, hyper-parameters, dequantized weights, fingerprint.
+
+Does not know about tokenizers (models/tokenizer.py) or the forward pass (models/llama.py).
+Every failure a user can cause becomes ModelLoadError / UnsupportedModelError with one sentence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from isolab.errors import ModelLoadError, UnsupportedModelError
+
+# Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout.
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Tensor types we read (dequantized to fp32 with the gguf package, then cast to the compute dtype).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class LlamaHParams:
+    """Hyper-parameters read from the GGUF metadata (`llama.*` keys)."""
+
+    vocab_size: int
+    hidden_size: int  # d_model
+    intermediate_size: int  # SwiGLU inner width
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention: num_heads % num_kv_heads == 0)
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    context_length: int
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}"
+            )
+
+
+@dataclass(frozen=True)
+class LoadedGGUF:
+    path: Path
+    hparams: LlamaHParams
+    # name -> fp32 array in PyTorch layout (out_features, in_features) for matrices.
+    tensors: dict[str, np.ndarray]
+    tensor_types: dict[str, str]
+    # SHA-256 over the file's bytes: part of every prefix-cache key (weights shape the KV values).
+    fingerprint: str
+    metadata: dict[str, object]
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except Exception as exc:  # corrupt metadata
+        raise ModelLoadError(f"metadata key {key!r} in the GGUF file is unreadable ({exc})") from exc
+
+
+def file_fingerprint(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def reverse_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation so the weights fit HF's rotate-half RoPE.
+
+    llama.cpp stores each head's rows as interleaved pairs (x0, x1), (x2, x3) ...; HF keeps the
+    first half of the head dim, then the second half. rows: (n_head, 2, half) <- (n_head, half, 2).
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    if not path.exists():
+        raise ModelLoadError(f"model file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ModelLoadError(f"model path {str(path)!r} is not a file")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def read_hparams(reader) -> LlamaHParams:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported (isolab runs {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"the GGUF file lacks the metadata key {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError("the GGUF file has neither llama.vocab_size nor a token list")
+    return LlamaHParams(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(_field(reader, f"{arch}.context_length", 2048)),
+    )
+
+
+def load_gguf(path: str | Path) -> LoadedGGUF:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    reader = _open_reader(path)
+    hp = read_hparams(reader)
+    tensors: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {t.name!r} has type {qtype.name}, which isolab does not read "
+                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            )
+        try:
+            arr = dequantize(t.data, qtype).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise ModelLoadError(f"tensor {t.name!r} could not be read ({exc})") from exc
+        # gguf lists dims innermost first; numpy shape is the reverse: (out_features, in_features).
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if arr.size != int(np.prod(shape)):
+            raise ModelLoadError(f"tensor {t.name!r} holds {arr.size} values, not {shape}")
+        tensors[t.name] = arr.reshape(shape)
+        types[t.name] = qtype.name
+    _check_tensors(tensors, hp)
+    for i in range(hp.num_layers):
+        tensors[f"blk.{i}.attn_q.weight"] = reverse_permute(tensors[f"blk.{i}.attn_q.weight"], hp.num_heads)
+        tensors[f"blk.{i}.attn_k.weight"] = reverse_permute(tensors[f"blk.{i}.attn_k.weight"], hp.num_kv_heads)
+    metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+    return LoadedGGUF(path, hp, tensors, types, file_fingerprint(path), metadata)
+
+
+def _check_tensors(tensors: dict[str, np.ndarray], hp: LlamaHParams) -> None:
+    d, kv = hp.hidden_size, hp.num_kv_heads * hp.head_dim
+    expected = {"token_embd.weight": (hp.vocab_size, d), "output_norm.weight": (d,)}
+    for i in range(hp.num_layers):
+        p = f"blk.{i}."
+        expected.update({
+            p + "attn_norm.weight": (d,),
+            p + "ffn_norm.weight": (d,),
+            p + "attn_q.weight": (hp.num_heads * hp.head_dim, d),
+            p + "attn_k.weight": (kv, d),
+            p + "attn_v.weight": (kv, d),
+            p + "attn_output.weight": (d, hp.num_heads * hp.head_dim),
+            p + "ffn_gate.weight": (hp.intermediate_size, d),
+            p + "ffn_up.weight": (hp.intermediate_size, d),
+            p + "ffn_down.weight": (d, hp.intermediate_size),
+        })
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"the GGUF file lacks tensor {name!r} that a llama model needs")
+        if tuple(tensors[name].shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    if "output.weight" in tensors and tuple(tensors["output.weight"].shape) != (hp.vocab_size, d):
+        raise ModelLoadError(f"tensor 'output.weight' has shape {tensors['output.weight'].shape}")

@@ -1,0 +1,156 @@
+"""Owns the Llama forward pass in PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied head.
+
+Does not own the KV cache: each layer hands its new K/V to an `AttentionBackend`, which stores
+them wherever it keeps K/V (a dense tensor for the reference path, the paged pool for the
+engine) and returns the attention output. `attention_core` is the one attention kernel both use,
+so a paged run and the reference run do the same arithmetic.
+
+Batch invariance (issue 3): in bf16 every op here gives a row the same bits whatever else is in
+the batch (bf16 GEMM keeps a fixed reduction order per row on this CPU; softmax over keys
+masked with -inf is unchanged by padding). fp32 GEMM (MKL) does not: see docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v (N, Hkv, Dh) of this step's N tokens; return attention of q (N, H, Dh) -> (N, H, Dh)."""
+        ...
+
+
+def attention_core(
+    q: torch.Tensor,  # (B, T, H, Dh) queries, padded rows allowed
+    k: torch.Tensor,  # (B, S, Hkv, Dh) keys at positions 0..S-1, padded keys allowed
+    v: torch.Tensor,  # (B, S, Hkv, Dh)
+    q_pos: torch.Tensor,  # (B, T) absolute position of each query; key j is visible iff j <= q_pos
+    scale: float,
+) -> torch.Tensor:  # (B, T, H, Dh)
+    B, T, H, Dh = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    # Grouped-query attention without copying K/V: fold each KV head's G query heads into rows.
+    qg = q.view(B, T, Hkv, G, Dh).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, Dh)
+    kt = k.permute(0, 2, 3, 1)  # (B, Hkv, Dh, S)
+    scores = torch.matmul(qg, kt).float().mul_(scale).view(B, Hkv, G, T, S)
+    key_pos = torch.arange(S, device=q.device)
+    # The causal mask is an isolation boundary (claim C9): no query sees a later position.
+    hidden = key_pos.view(1, 1, S) > q_pos.view(B, T, 1)  # (B, T, S)
+    scores.masked_fill_(hidden.view(B, 1, 1, T, S), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, S)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # (B, Hkv, G*T, Dh)
+    return out.view(B, Hkv, G, T, Dh).permute(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+class DenseKV:
+    """The reference backend: one sequence, K/V in growing contiguous tensors, no sharing at all."""
+
+    def __init__(self, hp: LlamaHParams) -> None:
+        self.k: list[torch.Tensor | None] = [None] * hp.num_layers  # (S, Hkv, Dh)
+        self.v: list[torch.Tensor | None] = [None] * hp.num_layers
+        self.q_pos: torch.Tensor | None = None  # set by the caller before each forward
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        old_k, old_v = self.k[layer], self.v[layer]
+        self.k[layer] = k if old_k is None else torch.cat([old_k, k])
+        self.v[layer] = v if old_v is None else torch.cat([old_v, v])
+        assert self.q_pos is not None
+        kk, vv = self.k[layer], self.v[layer]
+        out = attention_core(q[None], kk[None], vv[None], self.q_pos[None], q.shape[-1] ** -0.5)
+        return out[0]
+
+
+class LlamaModel:
+    """Weights plus the forward; stateless between calls (all K/V lives in the backend)."""
+
+    def __init__(self, loaded: LoadedGGUF, dtype: str = "bf16", device: str | torch.device = "cpu") -> None:
+        hp = loaded.hparams
+        self.hp = hp
+        self.dtype = TORCH_DTYPES[dtype]
+        self.device = torch.device(device)
+        t = loaded.tensors
+
+        def w(name: str) -> torch.Tensor:
+            return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
+
+        def norm(name: str) -> torch.Tensor:  # RMSNorm weights multiply after the cast back, as in HF
+            return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
+
+        self.embed = w("token_embd.weight")  # (V, D)
+        self.lm_head = w("output.weight") if "output.weight" in t else self.embed  # tied embeddings
+        self.final_norm = w("output_norm.weight")
+        self.layers = []
+        for i in range(hp.num_layers):
+            p = f"blk.{i}."
+            self.layers.append({
+                "attn_norm": w(p + "attn_norm.weight"),
+                # (Hq*Dh + 2*Hkv*Dh, D): q, k, v in one GEMM
+                "wqkv": torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
+                "wo": w(p + "attn_output.weight"),  # (D, Hq*Dh)
+                "ffn_norm": w(p + "ffn_norm.weight"),
+                "w_gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),  # (2I, D)
+                "w_down": w(p + "ffn_down.weight"),  # (D, I)
+            })
+        inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
+        pos = torch.arange(hp.context_length, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # (P, Dh/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, Dh)
+        self.rope_cos = emb.cos().to(self.device, self.dtype)
+        self.rope_sin = emb.sin().to(self.device, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.hp.rms_eps)
+        return weight * xf.to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
+        hp = self.hp
+        N = token_ids.shape[0]
+        H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
+        x = self.embed[token_ids]  # (N, D)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (N, 1, Dh)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, L in enumerate(self.layers):
+            h = self._rms_norm(x, L["attn_norm"])
+            qkv = F.linear(h, L["wqkv"])  # (N, (H + 2 Hkv) Dh)
+            q = qkv[:, : H * Dh].view(N, H, Dh)
+            k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)
+            v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            o = attn.attend(i, q, k, v.contiguous())  # (N, H, Dh)
+            x = x + F.linear(o.reshape(N, H * Dh), L["wo"])
+            h = self._rms_norm(x, L["ffn_norm"])
+            gate, up = F.linear(h, L["w_gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["w_down"])
+        return self._rms_norm(x, self.final_norm)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, D) -> (M, V) float32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.inference_mode()
+    def reference_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The naive path: the whole sequence in one forward, dense K/V. (T,) -> (T, V) float32."""
+        ids = torch.tensor(token_ids, device=self.device)
+        pos = torch.arange(len(token_ids), device=self.device)
+        kv = DenseKV(self.hp)
+        kv.q_pos = pos
+        return self.logits(self.forward(ids, pos, kv))

@@ -1,0 +1,71 @@
+"""Owns text <-> token ids and the chat template, both read from the GGUF's own metadata.
+
+Uses transformers' GGUF tokenizer support (no hand-written BPE). The converted tokenizer is
+cached on disk by file fingerprint, so a second start skips the slow conversion.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from isolab.errors import InvalidRequestError, ModelLoadError
+
+# Nothing may call out to a model hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+Message = dict[str, str]
+
+
+def _cache_dir(fingerprint: str) -> Path:
+    root = Path(os.environ.get("ISOLAB_CACHE", Path.home() / ".cache" / "isolab"))
+    return root / "tokenizers" / fingerprint[:32]
+
+
+class Tokenizer:
+    """A thin, typed wrapper over a transformers tokenizer built from a GGUF file."""
+
+    def __init__(self, gguf_path: Path, fingerprint: str) -> None:
+        from transformers import AutoTokenizer
+
+        cached = _cache_dir(fingerprint)
+        try:
+            if (cached / "tokenizer_config.json").exists():
+                self._tok = AutoTokenizer.from_pretrained(str(cached))
+            else:
+                self._tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+                try:
+                    self._tok.save_pretrained(str(cached))
+                except OSError:
+                    pass  # a read-only home only costs the next start a conversion
+        except Exception as exc:
+            raise ModelLoadError(f"the tokenizer in {str(gguf_path)!r} could not be built ({exc})") from exc
+        self.eos_token_id: int | None = self._tok.eos_token_id
+        self.bos_token_id: int | None = self._tok.bos_token_id
+        self.vocab_size = len(self._tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=True).input_ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model's GGUF has no chat template; send a plain prompt", field="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError(f"message {i} needs a 'role' and a 'content'", field="messages")
+        text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(self._tok(text, add_special_tokens=False).input_ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Per-token text for logprobs (decoded one token at a time)."""
+        return [self._tok.decode([t]) for t in token_ids]
