@@ -39,7 +39,7 @@ def _wrong(checker: Any) -> bool:
 
 
 def _check(checker: Any, results: tuple[Any, ...]) -> str | None:
-    right, wrong = results
+    wrong, right = results
     if wrong is True:
         return "false accept: the wrong passcode was accepted"
     if right is False:
@@ -52,9 +52,9 @@ def passcode(variant: str) -> Scenario:
     return Scenario(
         name=f"passcode:{variant}",
         setup=lambda: factory(RIGHT),
-        threads=(_right, _wrong),
+        threads=(_wrong, _right),  # the wrong sender starts: the first loss found is a false accept
         check=_check,
-        thread_names=("right", "wrong"),
+        thread_names=("wrong", "right"),
         watch=_watch,
         trace_modules=("isolab.race.checkers",),
         description=VARIANTS[variant].summary,

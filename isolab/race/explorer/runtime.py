@@ -70,7 +70,7 @@ class PendingPoint:
     index: int  # how many choice points came before this one in this execution
     current: int | None  # the thread that stands here (None at the start)
     enabled: tuple[int, ...]  # threads that may run now, ascending
-    location: str  # "isolab/race/checkers.py:38", "start" or "T0 finished"
+    location: str  # "isolab/race/checkers.py:38", "<start>" or "<finished>"
     occurrence: int  # the current thread's arrivals at this location so far, from 1
     what: str  # the operation about to run: "STORE_ATTR input_buffer", "Lock#1.acquire"
     gil_ok: bool  # CPython 3.11 with the GIL could switch here
@@ -223,7 +223,7 @@ class Runtime:
                 t.start()  # returns once the thread runs; it then waits for its baton
                 assert t.ident is not None
                 self.by_ident[t.ident] = task
-            first = self._decide(None, "start", 1, "start", True, forced=False)
+            first = self._decide(None, "<start>", 1, "start", True, forced=False)
             self.tasks[first].baton.release()
             finished = self.done.acquire(True, self.wall_timeout)
             if not finished:
@@ -271,7 +271,7 @@ class Runtime:
             self._end("ok", None)
             return
         try:
-            nxt = self._decide(task, f"{task.name} finished", 1, "finish", True, forced=True)
+            nxt = self._decide(task, "<finished>", 1, "finished", True, forced=True)
         except Abort:
             return
         self.tasks[nxt].baton.release()
@@ -329,7 +329,7 @@ class Runtime:
         self.num_arrivals += 1
         chosen = self._decide(task, location, task.occurrences[location], what, gil_ok, forced=yielding)
         preempted = chosen != task.index
-        self._switch_to(task, chosen, "yielded" if yielding else "preempted")
+        self._switch_to(task, chosen, f"{'yielded' if yielding else 'preempted'} before {what}")
         if preempted:
             task.permitted = task.gil_permitted = False
 

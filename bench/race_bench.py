@@ -1,0 +1,21 @@
+"""Race lab benchmark: QPS per passcode variant at 8 threads side by side, explorer executions/s,
+and the loopback service. Prints a table and writes bench/results/race.json.
+
+    .venv/bin/python bench/race_bench.py [--requests 100000] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from isolab.race.bench import run_bench
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "race.json")
+    args = parser.parse_args()
+    run_bench(args.requests, args.repeat, args.threads, args.json)

@@ -1,0 +1,140 @@
+"""Owns the race lab's command line: `isolab race stress|explore|bench` and `isolab passcode serve`.
+
+Each leaf parser sets `func(args) -> int`; bad input raises InvalidRequestError (exit 2).
+`explore` exits like a test runner: 1 when a failing schedule is found or replayed, 0 when the
+target holds within the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from isolab.errors import InvalidRequestError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    race = subparsers.add_parser("race", help="the race lab: stress the passcode checkers, explore interleavings")
+    sub = race.add_subparsers(dest="race_command", metavar="SUBCOMMAND")
+    race.set_defaults(func=lambda args: (race.print_help(), 2)[1])
+
+    stress = sub.add_parser("stress", help="hammer a shared checker with real threads and count false accepts")
+    stress.add_argument("--variant", default="buggy", help="variant name, comma list, or 'all' (default: buggy)")
+    stress.add_argument("--threads", default="2,4,8,16,32", help="comma list of thread counts (default: 2,4,8,16,32)")
+    stress.add_argument("--requests", type=int, default=100_000, help="check() calls per run, over all threads")
+    stress.add_argument("--repeat", type=int, default=3, help="runs per (variant, threads)")
+    stress.add_argument("--right-share", type=float, default=0.5, help="share of threads sending the right passcode")
+    stress.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the runs (s)")
+    stress.add_argument("--json", type=Path, default=None, help="write every run to this JSON file")
+    stress.add_argument("--plot", type=Path, default=None, help="write false-accept rate vs threads to this PNG")
+    stress.set_defaults(func=_stress)
+
+    explore = sub.add_parser("explore", help="explore thread interleavings of a scenario deterministically")
+    explore.add_argument("target", nargs="?", help="passcode:VARIANT, fixtures:NAME, module:name or file.py:name")
+    explore.add_argument("--switch", choices=("gil", "line", "opcode"), default="opcode",
+                         help="where a thread may be switched out (default: opcode, the free-threaded stand-in)")
+    explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded")
+    explore.add_argument("--bound", type=int, default=2, help="preemption bound for 'bounded' (default 2)")
+    explore.add_argument("--seed", type=int, default=0, help="first PCT seed")
+    explore.add_argument("--runs", type=int, default=200, help="PCT runs")
+    explore.add_argument("--depth", type=int, default=2, help="PCT bug depth")
+    explore.add_argument("--count-all", action="store_true", help="run the whole bound and count losing schedules")
+    explore.add_argument("--no-shrink", action="store_true", help="keep the schedule exactly as found")
+    explore.add_argument("--save", type=Path, default=None, help="write the losing schedule to this file")
+    explore.add_argument("--replay", type=Path, default=None, help="replay a saved schedule instead of searching")
+    explore.add_argument("--times", type=int, default=10, help="replays of --replay (default 10)")
+    explore.add_argument("--list", action="store_true", help="list the built-in scenarios")
+    explore.set_defaults(func=_explore)
+
+    bench = sub.add_parser("bench", help="QPS per variant at 8 threads side by side, and explorer executions/s")
+    bench.add_argument("--requests", type=int, default=100_000)
+    bench.add_argument("--repeat", type=int, default=3)
+    bench.add_argument("--threads", type=int, default=8)
+    bench.add_argument("--json", type=Path, default=None)
+    bench.set_defaults(func=_bench)
+
+    passcode = subparsers.add_parser("passcode", help="the seed's passcode service over HTTP")
+    psub = passcode.add_subparsers(dest="passcode_command", metavar="SUBCOMMAND")
+    passcode.set_defaults(func=lambda args: (passcode.print_help(), 2)[1])
+    serve = psub.add_parser("serve", help="serve POST /check with a chosen checker variant (passcode from $ISOLAB_PASSCODE)")
+    serve.add_argument("--variant", default="lock_local")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--max-attempts", type=int, default=10, help="attempts per client per window; 0 = no limit")
+    serve.add_argument("--window", type=float, default=60.0, help="rate-limit window in seconds")
+    serve.add_argument("--scrypt-n", type=int, default=2**14, help="scrypt cost (a power of two)")
+    serve.set_defaults(func=_serve)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequestError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise InvalidRequestError(f"{what} must be positive integers")
+    return values
+
+
+def _stress(args: argparse.Namespace) -> int:
+    from isolab.race import report
+    from isolab.race.checkers import VARIANTS, parse_variants
+    from isolab.race.stress import StressConfig, sweep
+
+    variants = parse_variants(args.variant)
+    thread_counts = _ints(args.threads, "--threads")
+    if args.repeat < 1:
+        raise InvalidRequestError("--repeat must be at least 1")
+    for n in thread_counts:  # validate before the first run
+        StressConfig(n, args.requests, args.right_share, args.switch_interval)
+
+    def progress(r) -> None:
+        print(f"  {r.variant:<20} threads={r.threads:<3} run {r.repeat + 1}: false accepts {r.false_accepts:>5}, "
+              f"false rejects {r.false_rejects:>5}, {r.qps:>9.0f} QPS", file=sys.stderr, flush=True)
+
+    results = sweep(variants, thread_counts, args.requests, args.repeat, args.right_share, args.switch_interval, progress)
+    print(report.table(results))
+    print()
+    print(report.histogram(results))
+    command = "isolab race stress " + " ".join(shlex.quote(a) for a in sys.argv[3:]) if len(sys.argv) > 2 else ""
+    if args.json:
+        report.write_json(args.json, results, command)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        interval = args.switch_interval or "default (5 ms)"
+        report.plot(args.plot, results, f"{args.requests:,} requests per run, switch interval {interval}")
+        print(f"wrote {args.plot}")
+    # like jcstress: a FORBIDDEN outcome in a variant that claims to be a fix fails the run
+    forbidden = any(r.false_accepts + r.false_rejects for r in results if not VARIANTS[r.variant].racy)
+    return 1 if forbidden else 0
+
+
+def _explore(args: argparse.Namespace) -> int:
+    from isolab.race.explorer import scenario as scenarios
+    from isolab.race.explorer_cli import run_explore, run_replay
+
+    if args.list:
+        print("\n".join(scenarios.builtin_names()))
+        return 0
+    if args.bound < 0 or args.times < 1 or args.runs < 1 or args.depth < 1:
+        raise InvalidRequestError("--bound must be >= 0; --times, --runs and --depth >= 1")
+    if args.replay is not None:
+        return run_replay(args.target, args.replay, args.times)
+    if not args.target:
+        raise InvalidRequestError("explore needs a TARGET (try --list)")
+    return run_explore(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from isolab.race.bench import run_bench
+
+    run_bench(args.requests, args.repeat, args.threads, args.json)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from isolab.race.service import serve_forever
+
+    return serve_forever(args.variant, args.host, args.port, args.max_attempts, args.window, args.scrypt_n)

@@ -1,0 +1,183 @@
+"""Owns the schedule file: a losing schedule as plain text lines a person can read and edit,
+and the strict replay that follows it and names the first step that diverges.
+
+    # isolab race schedule v1
+    scenario: passcode:buggy
+    switch: gil
+    outcome: failed: false accept: the wrong passcode was accepted
+    source: isolab/race/checkers.py sha256=1f0c9a2b7d3e
+    step 0: <none> at <start>#1 [start] -> right
+    step 1: right at isolab/race/checkers.py:38#1 [LOAD_ATTR input_buffer] -> wrong preempt
+
+A step is keyed by where it is taken (thread, file:line, occurrence of that line's choice points
+for that thread), never by a raw counter, so an edit elsewhere in the file shows up as the
+first step whose key no longer matches, next to the changed source hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from isolab.errors import InvalidRequestError
+from isolab.race.explorer.runtime import ROOT, Execution, PendingPoint, SwitchMode, run_once, short_path
+from isolab.race.explorer.scenario import Scenario
+
+HEADER = "# isolab race schedule v1"
+_STEP = re.compile(r"^step (\d+): (\S+) at (\S+)#(\d+) \[(.*)\] -> (\S+)( preempt)?$")
+
+
+@dataclass(frozen=True)
+class ScheduleStep:
+    thread: str  # who stood at the choice point ("<none>" at the start)
+    location: str
+    occurrence: int
+    what: str
+    chosen: str  # who ran next
+    preempt: bool
+
+    def key(self) -> tuple[str, str, int]:
+        return (self.thread, self.location, self.occurrence)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    scenario: str
+    switch: str
+    outcome: str
+    sources: dict[str, str]  # short path -> sha256 prefix, as saved
+    steps: tuple[ScheduleStep, ...]
+
+    def render(self) -> str:
+        lines = [HEADER, f"scenario: {self.scenario}", f"switch: {self.switch}", f"outcome: {self.outcome}"]
+        lines += [f"source: {path} sha256={digest}" for path, digest in sorted(self.sources.items())]
+        for i, s in enumerate(self.steps):
+            lines.append(f"step {i}: {s.thread} at {s.location}#{s.occurrence} [{s.what}] -> {s.chosen}"
+                         + (" preempt" if s.preempt else ""))
+        return "\n".join(lines) + "\n"
+
+
+def source_hashes(scenario: Scenario) -> dict[str, str]:
+    return {short_path(f): _digest(f) for f in sorted(scenario.target_files())}
+
+
+def _digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "missing"
+
+
+def from_execution(scenario: Scenario, mode: SwitchMode, execution: Execution) -> Schedule:
+    names = scenario.names
+    steps = tuple(
+        ScheduleStep(
+            names[c.point.current] if c.point.current is not None else "<none>",
+            c.point.location, c.point.occurrence, c.point.what, names[c.chosen], c.preemptive,
+        )
+        for c in execution.points
+    )
+    outcome = f"{execution.outcome}: {execution.message}" if execution.message else execution.outcome
+    return Schedule(scenario.name, mode.value, outcome, source_hashes(scenario), steps)
+
+
+def parse(text: str) -> Schedule:
+    lines = [ln.rstrip("\n") for ln in text.splitlines()]
+    if not lines or lines[0].strip() != HEADER:
+        raise InvalidRequestError("not an isolab schedule file (first line must be the v1 header)")
+    fields: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    steps: list[ScheduleStep] = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith("step "):
+            m = _STEP.match(line)
+            if m is None or int(m.group(1)) != len(steps):
+                raise InvalidRequestError(f"schedule line {number} is not a step in order: {line!r}")
+            steps.append(ScheduleStep(m.group(2), m.group(3), int(m.group(4)), m.group(5), m.group(6), bool(m.group(7))))
+        elif line.startswith("source: "):
+            path, _, digest = line[len("source: "):].rpartition(" sha256=")
+            sources[path] = digest
+        else:
+            key, sep, value = line.partition(": ")
+            if not sep:
+                raise InvalidRequestError(f"schedule line {number} is not 'key: value': {line!r}")
+            fields[key] = value
+    for key in ("scenario", "switch"):
+        if key not in fields:
+            raise InvalidRequestError(f"schedule file has no '{key}:' line")
+    return Schedule(fields["scenario"], fields["switch"], fields.get("outcome", ""), sources, tuple(steps))
+
+
+def save(path: Path, schedule: Schedule) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(schedule.render())
+
+
+def load(path: Path) -> Schedule:
+    try:
+        return parse(path.read_text())
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read schedule {path}: {exc.strerror}") from None
+
+
+class StrictReplayChooser:
+    """Takes step i's choice only if step i's key matches where the run actually stands."""
+
+    def __init__(self, schedule: Schedule, names: tuple[str, ...]) -> None:
+        self.steps = schedule.steps
+        self.names = names
+        self.divergence: str | None = None
+
+    def choose(self, point: PendingPoint) -> int:
+        actual = (self.names[point.current] if point.current is not None else "<none>", point.location, point.occurrence)
+        if self.divergence is None:
+            if point.index >= len(self.steps):
+                self.divergence = f"step {point.index}: the run goes on at {_key(actual)}, the schedule has ended"
+            else:
+                step = self.steps[point.index]
+                chosen = self.names.index(step.chosen) if step.chosen in self.names else None
+                if step.key() != actual or chosen not in point.enabled:
+                    self.divergence = f"step {point.index}: schedule expects {_key(step.key())}, the run is at {_key(actual)}"
+                else:
+                    return chosen
+        return point.default
+
+
+def _key(key: tuple[str, str, int]) -> str:
+    return f"{key[0]} at {key[1]}#{key[2]}"
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    runs: int
+    reproduced: int  # runs that ended with the saved outcome
+    divergence: str | None  # first diverging step of the first run that diverged
+    changed_sources: tuple[str, ...]  # files whose hash differs from the saved one
+    last: Execution
+
+
+def replay(scenario: Scenario, schedule: Schedule, times: int = 1) -> ReplayResult:
+    if scenario.name != schedule.scenario:
+        raise InvalidRequestError(f"schedule is for {schedule.scenario}, not {scenario.name}")
+    mode = SwitchMode(schedule.switch)
+    now = source_hashes(scenario)
+    changed = tuple(p for p, d in schedule.sources.items() if now.get(p) != d)
+    reproduced, divergence, last = 0, None, None
+    for _ in range(times):
+        chooser = StrictReplayChooser(schedule, scenario.names)
+        last = run_once(scenario, chooser, mode, record=True)
+        if chooser.divergence is None and len(last.points) < len(schedule.steps):
+            chooser.divergence = f"step {len(last.points)}: the run ended, the schedule goes on"
+        outcome = f"{last.outcome}: {last.message}" if last.message else last.outcome
+        if chooser.divergence is None and outcome == schedule.outcome:
+            reproduced += 1
+        divergence = divergence or chooser.divergence
+    assert last is not None
+    return ReplayResult(times, reproduced, divergence, changed, last)
+
+
+__all__ = ["ROOT", "Schedule", "ScheduleStep", "load", "parse", "replay", "save", "from_execution"]

@@ -1,0 +1,213 @@
+"""Owns the passcode service: a threaded HTTP server (the seed's "service") that checks a posted
+passcode with a chosen checker variant, and the loopback load test that drives it.
+
+The passcode is never kept or logged as text: the server keeps a salted scrypt hash, hashes each
+candidate with the same salt, and the checker compares the two digests in constant time (the
+digests are `Digest`s, whose `==` is hmac.compare_digest, so the seed's `==` code is unchanged).
+Bodies over MAX_BODY bytes get 413; more than `max_attempts` per client per window get 429.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from isolab.errors import InvalidRequestError
+from isolab.race.checkers import get_variant
+
+MAX_BODY = 1024  # bytes: a passcode field needs far less
+log = logging.getLogger("isolab.passcode")
+
+
+class Digest(bytes):
+    """A hash value whose equality takes the same time whatever the bytes."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, bytes) and hmac.compare_digest(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = bytes.__hash__
+
+
+@dataclass(frozen=True)
+class Hasher:
+    salt: bytes
+    n: int = 2**14  # scrypt cost; r=8, p=1 as RFC 7914 recommends
+
+    def __post_init__(self) -> None:
+        if self.n < 2 or self.n & (self.n - 1):
+            raise InvalidRequestError("scrypt n must be a power of two >= 2", field="scrypt_n")
+
+    def digest(self, passcode: str) -> Digest:
+        return Digest(hashlib.scrypt(passcode.encode(), salt=self.salt, n=self.n, r=8, p=1, dklen=32))
+
+
+class RateLimiter:
+    """At most `max_attempts` per client in any `window` seconds (0 attempts = no limit)."""
+
+    def __init__(self, max_attempts: int, window: float) -> None:
+        self.max_attempts = max_attempts
+        self.window = window
+        self.lock = threading.Lock()
+        self.seen: dict[str, deque[float]] = {}
+
+    def allow(self, client: str) -> bool:
+        if self.max_attempts <= 0:
+            return True
+        now = time.monotonic()
+        with self.lock:
+            q = self.seen.setdefault(client, deque())
+            while q and now - q[0] > self.window:
+                q.popleft()
+            if len(q) >= self.max_attempts:
+                return False
+            q.append(now)
+            return True
+
+
+def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int = 0, max_attempts: int = 10,
+                window: float = 60.0, scrypt_n: int = 2**14) -> ThreadingHTTPServer:
+    spec = get_variant(variant)
+    hasher = Hasher(secrets.token_bytes(16), scrypt_n)
+    checker = spec.factory(hasher.digest(passcode))  # the checker never sees the passcode text
+    limiter = RateLimiter(max_attempts, window)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # header and body go out in two writes: no 40 ms delayed-ACK stall
+
+        def log_message(self, fmt: str, *args: object) -> None:  # method + path + status only
+            log.info("%s %s", self.client_address[0], fmt % args)
+
+        def _reply(self, status: int, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path == "/healthz":
+                self._reply(200, {"ok": True, "variant": spec.name})
+            else:
+                self._reply(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            if self.path != "/check":
+                self._reply(404, {"error": "not found"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "-1"))
+            except ValueError:
+                length = -1
+            if length < 0:
+                self._reply(411, {"error": "Content-Length required"})
+                return
+            if length > MAX_BODY:
+                self.close_connection = True
+                self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
+                return
+            raw = self.rfile.read(length)
+            if not limiter.allow(self.client_address[0]):
+                self._reply(429, {"error": "too many attempts"})
+                return
+            try:
+                candidate = json.loads(raw)["passcode"]
+                if not isinstance(candidate, str):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                self._reply(400, {"error": 'body must be {"passcode": "<string>"}'})
+                return
+            accepted = bool(checker.check(hasher.digest(candidate)))
+            log.info("%s check accepted=%s", self.client_address[0], accepted)
+            self._reply(200, {"accepted": accepted})
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve_forever(variant: str, host: str, port: int, max_attempts: int, window: float, scrypt_n: int) -> int:
+    passcode = os.environ.get("ISOLAB_PASSCODE")
+    if not passcode:
+        raise InvalidRequestError("set ISOLAB_PASSCODE to the passcode the service should accept")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = make_server(variant, passcode, host, port, max_attempts, window, scrypt_n)
+    print(f"passcode service ({variant}) on http://{host}:{server.server_address[1]}  POST /check", file=sys.stderr)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    variant: str
+    requests: int
+    false_accepts: int
+    false_rejects: int
+    seconds: float
+
+
+def loopback_load(variant: str, clients: int = 8, requests: int = 2000, scrypt_n: int = 2,
+                  switch_interval: float | None = 1e-5, stop_at_first: bool = False) -> LoadResult:
+    """Runs a server on 127.0.0.1 and `clients` keep-alive connections, half right, half wrong.
+    scrypt_n=2 keeps hashing cheap so that the check, not the hash, is what the load hits."""
+    right, wrong = "lab-right-" + secrets.token_hex(4), "lab-wrong-" + secrets.token_hex(4)
+    server = make_server(variant, right, port=0, max_attempts=0, scrypt_n=scrypt_n)
+    port = server.server_address[1]
+    serve = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    serve.start()
+    counts = [[0, 0] for _ in range(clients)]  # [accepts, sent]
+    stop = threading.Event()
+    barrier = threading.Barrier(clients)
+
+    def client(i: int) -> None:
+        body = json.dumps({"passcode": right if i % 2 == 0 else wrong}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        barrier.wait()
+        for _ in range(requests // clients):
+            if stop.is_set():
+                break
+            conn.request("POST", "/check", body, {"Content-Type": "application/json"})
+            accepted = json.loads(conn.getresponse().read())["accepted"]
+            counts[i][0] += accepted
+            counts[i][1] += 1
+            if stop_at_first and (accepted != (i % 2 == 0)):
+                stop.set()
+        conn.close()
+
+    old = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    start = time.perf_counter()
+    try:
+        workers = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(old)
+        server.shutdown()
+        server.server_close()
+    seconds = time.perf_counter() - start
+    sent = sum(c[1] for c in counts)
+    false_accepts = sum(c[0] for i, c in enumerate(counts) if i % 2 == 1)
+    false_rejects = sum(c[1] - c[0] for i, c in enumerate(counts) if i % 2 == 0)
+    return LoadResult(variant, sent, false_accepts, false_rejects, seconds)
