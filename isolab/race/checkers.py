@@ -100,7 +100,7 @@ class ThreadLocalChecker:
 
 
 # --- the seed, section 3.3: immutable sharing -------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slots=True: on 3.11 that breaks the frozen __setattr__
 class ImmutableChecker:
     """Shared read-only: a frozen checker has nowhere to put a buffer (a write raises)."""
 

@@ -28,13 +28,13 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Protocol
 
 from isolab.race.explorer.scenario import Scenario
 
 
-class SwitchMode(str, Enum):
+class SwitchMode(StrEnum):
     GIL = "gil"
     LINE = "line"
     OPCODE = "opcode"

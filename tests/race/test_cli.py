@@ -1,0 +1,49 @@
+"""`isolab race` and `isolab passcode` through the real CLI entry point: exit codes and files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from isolab.cli import main
+
+
+def test_explore_exits_1_on_a_losing_schedule_and_0_when_it_holds(tmp_path: Path, capsys) -> None:
+    saved = tmp_path / "s.txt"
+    assert main(["race", "explore", "passcode:buggy", "--switch", "gil", "--bound", "1", "--save", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED after" in out and "reachable with the GIL" in out and "input_buffer=wrong" in out
+    assert main(["race", "explore", "--replay", str(saved), "--times", "3"]) == 1
+    assert "reproduced 3 of 3" in capsys.readouterr().out
+    assert main(["race", "explore", "passcode:lock_local", "--switch", "gil", "--bound", "1"]) == 0
+    assert "HOLDS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["race", "explore", "passcode:nope"],
+    ["race", "explore", "nocolon"],
+    ["race", "stress", "--threads", "two"],
+    ["race", "stress", "--variant", "nope"],
+])
+def test_bad_input_exits_2_with_one_sentence(argv: list[str], capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("isolab: error: ") and err.count("\n") == 1
+
+
+def test_stress_json_records_false_accepts_and_rejects_per_run(tmp_path: Path) -> None:
+    out = tmp_path / "stress.json"
+    rc = main(["race", "stress", "--variant", "buggy,lock_local", "--threads", "2", "--requests", "400",
+               "--repeat", "2", "--json", str(out)])
+    assert rc == 0  # forbidden outcomes in the buggy variant are known, not a failure
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 4
+    assert all({"false_accepts", "false_rejects", "qps", "threads"} <= set(r) for r in runs)
+
+
+def test_explore_list_names_the_builtins(capsys) -> None:
+    assert main(["race", "explore", "--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "passcode:buggy" in names and "fixtures:lost_wakeup" in names
