@@ -6,8 +6,9 @@ engine) and returns the attention output. `attention_core` is the one attention 
 so a paged run and the reference run do the same arithmetic.
 
 Batch invariance (issue 3): in bf16 every op here gives a row the same bits whatever else is in
-the batch (bf16 GEMM keeps a fixed reduction order per row on this CPU; softmax over keys
-masked with -inf is unchanged by padding). fp32 GEMM (MKL) does not: see docs/numerics.md.
+the batch: bf16 GEMM keeps a fixed reduction order per row for M >= 2 on this CPU (`linear`
+pads a single row), and softmax over keys masked with -inf is unchanged by padding. fp32 GEMM
+(MKL) does not: see docs/numerics.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ import torch.nn.functional as F
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear with one row padded to two: (M, K) -> (M, N).
+
+    Measured on this CPU (bf16, oneDNN): a single row takes another kernel than M >= 2, and for
+    K = 1536 about 1 output in 6,000 gets other bits; every M >= 2 agrees bit for bit. Padding
+    the single row keeps a row's bits independent of the batch (tests/models/test_batch_invariance.py).
+    """
+    if x.shape[0] == 1:
+        return F.linear(x.expand(2, -1), weight)[:1]
+    return F.linear(x, weight)
 
 
 class AttentionBackend(Protocol):
@@ -129,22 +142,22 @@ class LlamaModel:
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, L in enumerate(self.layers):
             h = self._rms_norm(x, L["attn_norm"])
-            qkv = F.linear(h, L["wqkv"])  # (N, (H + 2 Hkv) Dh)
+            qkv = linear(h, L["wqkv"])  # (N, (H + 2 Hkv) Dh)
             q = qkv[:, : H * Dh].view(N, H, Dh)
             k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)
             v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             o = attn.attend(i, q, k, v.contiguous())  # (N, H, Dh)
-            x = x + F.linear(o.reshape(N, H * Dh), L["wo"])
+            x = x + linear(o.reshape(N, H * Dh), L["wo"])
             h = self._rms_norm(x, L["ffn_norm"])
-            gate, up = F.linear(h, L["w_gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["w_down"])
+            gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, L["w_down"])
         return self._rms_norm(x, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M, V) float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:

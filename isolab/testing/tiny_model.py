@@ -1,0 +1,123 @@
+"""Owns writing a tiny random Llama to a GGUF file, so tests run the real loader in milliseconds.
+
+The tokenizer is byte-level BPE (GPT-2 style): 256 byte tokens, a few merges, and the ChatML
+special tokens, with a ChatML chat template, all in the GGUF metadata like a real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e"]
+
+
+def _bytes_to_unicode() -> list[str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    hidden: int = 64
+    intermediate: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    context: int = 512
+    rope_theta: float = 10000.0
+    seed: int = 0
+    qtype: str = "F32"  # type of the 2-D weight matrices: F32, F16, BF16, Q8_0, Q4_0, Q4_1
+    arch: str = "llama"
+    tied: bool = True
+
+
+def tiny_vocab() -> list[str]:
+    toks = SPECIALS + _bytes_to_unicode()
+    toks += [m.replace(" ", "") for m in MERGES]
+    return toks
+
+
+def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    import gguf
+    from gguf.quants import quantize
+
+    path = Path(path)
+    rng = np.random.default_rng(spec.seed)
+    vocab = tiny_vocab()
+    V, D, F_, H, KV = len(vocab), spec.hidden, spec.intermediate, spec.heads, spec.kv_heads
+    hd = D // H
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    w.add_name("tiny-llama")
+    w.add_context_length(spec.context)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F_)
+    w.add_block_count(spec.layers)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (V - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    qtype = getattr(gguf.GGMLQuantizationType, spec.qtype)
+
+    def mat(name: str, rows: int, cols: int, scale: float) -> None:
+        data = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if spec.qtype == "F32":
+            w.add_tensor(name, data)
+        elif spec.qtype == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            q = quantize(data, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+    def vec(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", V, D, 0.5)
+    if not spec.tied:
+        mat("output.weight", V, D, 0.5)
+    vec("output_norm.weight", D)
+    s = D ** -0.5
+    for i in range(spec.layers):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", D)
+        vec(p + "ffn_norm.weight", D)
+        mat(p + "attn_q.weight", H * hd, D, s)
+        mat(p + "attn_k.weight", KV * hd, D, s)
+        mat(p + "attn_v.weight", KV * hd, D, s)
+        mat(p + "attn_output.weight", D, H * hd, s)
+        mat(p + "ffn_gate.weight", F_, D, s)
+        mat(p + "ffn_up.weight", F_, D, s)
+        mat(p + "ffn_down.weight", D, F_, F_ ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny random Llama written to GGUF (the real loader runs), and the real model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+    # Larger weights than the default make greedy output depend strongly on the context, so
+    # contamination changes tokens, not only logprobs.
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinySpec(layers=2, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_path):
+    from isolab.models.bundle import load_bundle
+
+    return load_bundle(str(tiny_path), "bf16", "cpu")
+
+
+@pytest.fixture(scope="session")
+def real_bundle():
+    from isolab.models.bundle import load_bundle
+
+    return load_bundle(None, "bf16")
+
+
+@pytest.fixture(scope="session")
+def real_bundle_fp32():
+    from isolab.models.bundle import load_bundle
+
+    return load_bundle(None, "fp32")
