@@ -1,0 +1,87 @@
+"""Owns `isolab serve`: the OpenAI-compatible server on uvicorn, with keys, limits and a SIGTERM drain.
+
+SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to --drain-timeout
+seconds, then cancel what is left, stop the engine thread and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from isolab.commands.common import add_engine_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, health, metrics)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="API keys -> tenants: JSON {\"key\": \"tenant\"} or lines 'KEY TENANT' "
+                        "(also read from ISOLAB_API_KEYS='key1=tenantA,key2=tenantB')")
+    p.add_argument("--no-auth", action="store_true", help="serve without keys, as one anonymous tenant")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the GGUF's name)")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (1 MiB)")
+    g.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts get 400 (default: the context)")
+    g.add_argument("--max-tokens-limit", type=int, default=4096, help="the largest max_tokens a request may ask")
+    g.add_argument("--max-n", type=int, default=16, help="the largest n")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="engine requests admitted beyond --max-num-seqs; past that: 429 with Retry-After")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device,
+        cache=CacheConfig(args.block_size, args.kv_cache_memory, not args.no_prefix_cache),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        max_model_len=args.max_model_len, audit=args.audit, inject_faults=frozenset(args.inject_fault),
+        trace_path=args.trace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from isolab.engine.llm_engine import LLMEngine
+    from isolab.server import ServerConfig, create_app, load_registry
+
+    # Keys and limits first: a misconfigured server refuses before spending seconds on the model.
+    tenants = load_registry(args.api_keys, no_auth=args.no_auth)
+    config = ServerConfig(
+        max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_queue=args.max_queue,
+        served_model_name=args.served_model_name,
+    )
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config(args))
+    app = create_app(engine, tenants, config)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=args.drain_timeout, access_log=False)
+    server = DrainingServer(uv_config, app.state)
+    server.run()
+    engine.close()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that marks the app as draining on the first SIGTERM/SIGINT; uvicorn then
+    stops accepting and waits up to timeout_graceful_shutdown for the responses in flight."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self.app_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.app_state.draining:
+            logging.getLogger("isolab.server").info("signal %d: draining running requests", sig)
+        self.app_state.draining = True
+        super().handle_exit(sig, frame)

@@ -1,0 +1,221 @@
+"""Owns the bridge between asyncio and the single-threaded engine: one thread drives the engine.
+
+    asyncio handlers --submit/abort--> command deque (+ condition) --> engine thread
+    engine thread: apply commands (add_request / abort) -> step() -> outputs
+    outputs --loop.call_soon_threadsafe--> one asyncio.Queue per engine request
+
+Only the engine thread calls add_request / abort / step. It sleeps on the condition when it has
+no command and no unfinished request (no busy spin). `stats` is a snapshot of engine.stats() that
+the thread replaces after every step, so other threads never read engine internals.
+Does not know HTTP, tenants or the OpenAI formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from isolab.engine.llm_engine import LLMEngine, RequestOutput
+from isolab.errors import IsolabError, RequestAborted
+from isolab.sampling_params import SamplingParams
+
+log = logging.getLogger("isolab.server")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass
+class _Route:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+@dataclass
+class _Add:
+    requests: tuple[EngineRequest, ...]
+    cache_scope: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+    admitted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+def _final(request_id: str, reason: str, error: IsolabError | None) -> RequestOutput:
+    return RequestOutput(request_id, (), (), (), True, reason, None, 0, 0, error)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="isolab-engine", daemon=True)
+        self.stats: dict[str, float] = dict(engine.stats())
+        self.num_pending_commands = 0
+        # Admission bound, counted on the asyncio side (reserve before submit, release when done).
+        self._reserved = 0
+        self._reserve_lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left (its consumers get finish_reason 'abort') and join the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- admission bound ----------------------------------------------------------------------------
+    @property
+    def num_reserved(self) -> int:
+        return self._reserved
+
+    def try_reserve(self, n: int, capacity: int) -> bool:
+        with self._reserve_lock:
+            if self._reserved + n > capacity:
+                return False
+            self._reserved += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._reserve_lock:
+            self._reserved -= n
+            assert self._reserved >= 0
+
+    # -- asyncio side --------------------------------------------------------------------------------
+    async def submit(
+        self, requests: Sequence[EngineRequest], cache_scope: str
+    ) -> asyncio.Queue[RequestOutput]:
+        """Add the requests (all or none); their outputs arrive, in step order, on the one queue
+        returned. Raises the engine's InvalidRequestError if it refuses any of them."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        admitted: asyncio.Future[None] = loop.create_future()
+        self._push(_Add(tuple(requests), cache_scope, loop, queue, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort([r.request_id for r in requests])  # FIFO: the abort lands after the add
+            raise
+        return queue
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Cancel requests; their blocks are freed by the engine thread at its next turn."""
+        if request_ids:
+            self._push(_Abort(tuple(request_ids)))
+
+    def _push(self, cmd: _Add | _Abort) -> None:
+        with self._cv:
+            if self._stopping and isinstance(cmd, _Add):
+                raise RequestAborted("the server is shutting down")
+            self._commands.append(cmd)
+            self.num_pending_commands = len(self._commands)
+            self._cv.notify()
+
+    # -- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping and not engine.has_unfinished():
+                    self._cv.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                self.num_pending_commands = 0
+                stopping = self._stopping
+            for cmd in commands:
+                if isinstance(cmd, _Add):
+                    self._apply_add(cmd)
+                else:
+                    for rid in cmd.request_ids:
+                        if self._routes.pop(rid, None) is not None:
+                            engine.abort(rid)
+            if stopping:
+                self._fail_all("abort", RequestAborted("the server is shutting down"))
+                self.stats = dict(engine.stats())
+                return
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception:  # a bug: fail the requests in flight, keep serving
+                    log.exception("engine step failed; failing %d request(s)", len(self._routes))
+                    self._fail_all("error", IsolabError("internal engine error"))
+                    outputs = []
+                self._dispatch(outputs)
+            self.stats = dict(engine.stats())
+
+    def _apply_add(self, cmd: _Add) -> None:
+        added: list[str] = []
+        try:
+            for r in cmd.requests:
+                self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.params, cmd.cache_scope)
+                added.append(r.request_id)
+        except Exception as exc:
+            for rid in added:
+                self.engine.abort(rid)
+            _call(cmd.loop, _settle, cmd.admitted, exc)
+            return
+        for rid in added:
+            self._routes[rid] = _Route(cmd.loop, cmd.queue)
+        _call(cmd.loop, _settle, cmd.admitted, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        for o in outputs:
+            route = self._routes.pop(o.request_id, None) if o.finished else self._routes.get(o.request_id)
+            if route is not None:
+                batches.setdefault(route.loop, []).append((route.queue, o))
+        for loop, batch in batches.items():
+            _call(loop, _deliver, batch)
+
+    def _fail_all(self, reason: str, error: IsolabError) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        for rid, route in list(self._routes.items()):
+            self.engine.abort(rid)
+            batches.setdefault(route.loop, []).append((route.queue, _final(rid, reason, error)))
+        self._routes.clear()
+        for loop, batch in batches.items():
+            _call(loop, _deliver, batch)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # type: ignore[no-untyped-def]
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    for queue, output in batch:
+        queue.put_nowait(output)
