@@ -4,7 +4,8 @@ Before each forward, for every scheduled chunk:
   * writes: every block that receives this chunk's K/V must be ALLOCATED to this request alone,
     in the life (generation) the request attached;
   * reads: every block in the request's context must be the life it attached, and either its
-    own (ALLOCATED, writer = reader) or SEALED with the reader's scope and an intact checksum.
+    own (ALLOCATED, writer = reader) or SEALED with the reader's scope, the reader's tokens and
+    an intact checksum.
 A violation names the reader, the block and the writer. Freed blocks are NaN-poisoned by the
 pool, so a read the tags miss still shows up as NaN.
 """
@@ -60,6 +61,8 @@ class Auditor:
                 return self._record(_violation("read", req, b, "the block is neither the reader's nor sealed"))
             if b.scope != req.scope:
                 return self._record(_violation("read", req, b, "the block's scope does not admit the reader"))
+            if b.sealed_tokens != tuple(req.token_ids[i * bs : (i + 1) * bs]):
+                return self._record(_violation("read", req, b, "the block holds other tokens than the reader's"))
             tag = (req.request_id, b.block_id, b.generation)
             if tag not in self._verified:
                 if b.checksum is not None and self.storage.checksum(b.block_id) != b.checksum:

@@ -1,0 +1,76 @@
+"""Owns `isolab selftest`: run the fault catalogue and print, per fault, which checks caught it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from isolab.commands.common import add_engine_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selftest", help="inject each fault and show which checks catch it (healthy engine: none)")
+    p.add_argument("--tiny", action="store_true", help="use a tiny random model written to GGUF (seconds, not minutes)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from isolab.engine.faults import FAULTS, validate_faults
+    from isolab.engine.selftest import SCENARIOS, run_scenario
+    from isolab.models.bundle import load_bundle
+
+    validate_faults(frozenset(args.fault))
+    if args.tiny:
+        from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+        model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(seed=1)))
+    else:
+        model = args.model
+    bundle = load_bundle(model, args.dtype, args.device)
+    console = Console(stderr=False)
+    table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype})")
+    for col in ("fault", "scenario", "healthy engine", "fault on", "fault on + audit", "divergence (C11)"):
+        table.add_column(col)
+    results = []
+    ok = True
+    for sc in SCENARIOS:
+        if args.fault and sc.fault not in args.fault:
+            continue
+        healthy = run_scenario(bundle, sc)
+        healthy_audit = run_scenario(bundle, sc, audit=True)
+        faulty = run_scenario(bundle, sc, frozenset([sc.fault]))
+        faulty_audit = run_scenario(bundle, sc, frozenset([sc.fault]), audit=True)
+        passed = not healthy.caught and not healthy_audit.caught and faulty.caught and faulty_audit.caught
+        ok &= passed
+        div = ", ".join(f"{rid}: from token {f}, {w}/{t} wrong" for rid, f, w, t in faulty.divergence) or "-"
+        table.add_row(
+            sc.fault, sc.name,
+            "clean" if not (healthy.caught or healthy_audit.caught) else "[red]" + ",".join(healthy.caught_by + healthy_audit.caught_by),
+            ", ".join(faulty.caught_by) or "[red]not caught",
+            ", ".join(faulty_audit.caught_by) or "[red]not caught",
+            div,
+        )
+        results.append({
+            "fault": sc.fault, "scenario": sc.name, "description": FAULTS[sc.fault], "workload": sc.what,
+            "healthy_caught_by": healthy.caught_by + healthy_audit.caught_by,
+            "fault_caught_by": faulty.caught_by, "fault_audit_caught_by": faulty_audit.caught_by,
+            "fault_details": faulty.details, "fault_audit_details": faulty_audit.details,
+            "divergence": [dict(request=r, first_wrong_token=f, wrong=w, after=t) for r, f, w, t in faulty.divergence],
+            "passed": passed,
+        })
+    console.print(table)
+    console.print("every fault caught, healthy engine clean" if ok else "[red]SELFTEST FAILED")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": bundle.name, "dtype": args.dtype, "results": results, "passed": ok}, fh, indent=2)
+    sys.stdout.flush()
+    return 0 if ok else 1
