@@ -69,6 +69,7 @@ class EngineLoop:
         self.num_pending_commands = 0
         # Admission bound, counted on the asyncio side (reserve before submit, release when done).
         self._reserved = 0
+        self.peak_reserved = 0  # high-water mark of the admission bound (tests and metrics)
         self._reserve_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class EngineLoop:
             if self._reserved + n > capacity:
                 return False
             self._reserved += n
+            self.peak_reserved = max(self.peak_reserved, self._reserved)
             return True
 
     def release(self, n: int) -> None:

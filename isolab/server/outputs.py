@@ -81,9 +81,10 @@ class CompletionLogprobs:
             out["token_logprobs"].append(_finite(lp.logprob))
             top_ids = [t for t, _ in lp.top]
             top_texts = self.tok.token_strings(top_ids) if top_ids else []
-            out["top_logprobs"].append(
-                {s: _finite(v) for s, (_, v) in zip(top_texts, lp.top, strict=True)} if lp.top else None
-            )
+            top: dict[str, float] = {}
+            for s, (_, v) in zip(top_texts, lp.top, strict=True):
+                top.setdefault(s, _finite(v))  # two tokens may print alike (byte pieces): keep the best
+            out["top_logprobs"].append(top if lp.top else None)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

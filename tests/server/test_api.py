@@ -1,0 +1,245 @@
+"""The OpenAI surface through the official client on a real uvicorn (tiny model): shapes,
+streaming equals non-streaming, n and seeds, logprobs, stop strings, and the 4xx edges."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import openai
+import pytest
+
+from isolab.server import ServerConfig
+
+CANARY = "zebra-canary-7731"
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tiny_bundle):
+    return server_factory(tiny_bundle, server_config=ServerConfig(max_tokens_limit=64, max_prompt_tokens=300,
+                                                                   max_body_bytes=64 * 1024, max_n=4))
+
+
+def _collect_stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    chunks = list(stream)
+    for ch in chunks:
+        for c in ch.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, chunks
+
+
+def test_completion_shape_and_usage(srv):
+    r = srv.client().completions.create(model=srv.model, prompt="hello there", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == len(srv.engine.tokenizer.encode("hello there"))
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_stream_equals_non_stream_completion(srv):
+    c = srv.client()
+    kw = dict(model=srv.model, prompt="the rain in spain", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw)
+    texts, reasons, chunks = _collect_stream(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert texts[0] == whole.choices[0].text
+    assert reasons[0] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_stream_equals_non_stream_chat(srv):
+    c = srv.client()
+    kw = dict(model=srv.model, messages=[{"role": "user", "content": "tell me about the sea"}], max_tokens=24,
+              temperature=0, extra_body={"ignore_eos": True})
+    whole = c.chat.completions.create(**kw)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    texts, reasons, chunks = _collect_stream(c.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert texts[0] == whole.choices[0].message.content
+    assert reasons[0] == "length"
+
+
+def test_n_choices_with_seed_are_seed_plus_i(srv):
+    c = srv.client()
+    kw = dict(model=srv.model, prompt="once upon", max_tokens=12, temperature=2.0, extra_body={"ignore_eos": True})
+    multi = c.completions.create(n=3, seed=40, **kw)
+    assert [ch.index for ch in multi.choices] == [0, 1, 2]
+    assert multi.usage.completion_tokens == 36
+    for i in range(3):
+        solo = c.completions.create(n=1, seed=40 + i, **kw)
+        assert solo.choices[0].text == multi.choices[i].text
+    assert len({ch.text for ch in multi.choices}) > 1  # different seeds: not one sample copied n times
+
+
+def test_stream_n_and_prompt_list(srv):
+    c = srv.client()
+    kw = dict(model=srv.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(prompt=["alpha", "beta"], n=2, **kw)
+    texts, reasons, _ = _collect_stream(c.completions.create(prompt=["alpha", "beta"], n=2, stream=True, **kw))
+    assert sorted(texts) == [0, 1, 2, 3] and set(reasons.values()) == {"length"}
+    for ch in whole.choices:
+        assert texts[ch.index] == ch.text
+    alpha = c.completions.create(prompt="alpha", **kw).choices[0].text
+    beta = c.completions.create(prompt="beta", **kw).choices[0].text
+    assert [ch.text for ch in whole.choices] == [alpha, alpha, beta, beta]
+
+
+def test_completion_logprobs(srv):
+    r = srv.client().completions.create(model=srv.model, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
+                                        extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert val <= 0 and 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(val)  # greedy: the sampled token is the best
+        assert tok in top
+    assert "".join(lp.tokens) == r.choices[0].text or "\ufffd" in "".join(lp.tokens)
+
+
+def test_chat_logprobs(srv):
+    c = srv.client()
+    kw = dict(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob) for e in content)
+    streamed = [e for ch in c.chat.completions.create(stream=True, **kw) for choice in ch.choices
+                if choice.logprobs for e in choice.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+def test_stop_string_is_cut_out_streamed_and_not(srv):
+    c = srv.client()
+    base = dict(model=srv.model, prompt="the quick brown", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    full = c.completions.create(**base).choices[0].text
+    # a stop string taken from inside the greedy output, so the run must stop there
+    stop = full[6:8]
+    assert len(stop) == 2
+    expected = full[: full.find(stop)]
+    r = c.completions.create(stop=[stop], **base)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    texts, reasons, _ = _collect_stream(c.completions.create(stop=[stop], stream=True, **base))
+    assert texts[0] == expected and reasons[0] == "stop"
+
+
+def test_models_and_health(srv):
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [srv.model]
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+
+
+def _assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def test_auth_errors(srv):
+    body = {"prompt": "x", "max_tokens": 1}
+    url = srv.base_url + "/completions"
+    _assert_openai_error(httpx.post(url, json=body), 401)
+    _assert_openai_error(httpx.post(url, json=body, headers={"Authorization": "Bearer sk-nobody"}), 401)
+    _assert_openai_error(httpx.post(url, json=body, headers={"Authorization": "sk-alice"}), 401)
+    _assert_openai_error(httpx.get(srv.base_url + "/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        srv.client(key="sk-wrong").completions.create(model=srv.model, prompt="x", max_tokens=1)
+
+
+def test_unknown_model_and_route_are_404(srv):
+    with pytest.raises(openai.NotFoundError) as e:
+        srv.client().completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    _assert_openai_error(httpx.get(srv.url + "/v1/nothing", headers={"Authorization": "Bearer sk-alice"}), 404)
+
+
+def test_limits(srv):
+    h = {"Authorization": "Bearer sk-alice"}
+    url = srv.base_url + "/completions"
+    # body size: 413 before parsing
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a" * 70_000, "max_tokens": 1}), 413)
+    # max_tokens over the server limit
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "max_tokens": 65}), 400, "max_tokens")
+    # prompt over the server's prompt limit (300 tokens)
+    err = _assert_openai_error(httpx.post(url, headers=h, json={"prompt": list(range(40, 40 + 200)) * 2,
+                                                                "max_tokens": 1}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    # n over the limit, schema violations (422), token ids outside the vocabulary (400)
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "n": 5}), 400, "n")
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "temperature": "hot"}), 422, "temperature")
+    _assert_openai_error(httpx.post(url, headers=h, content=b"{not json"), 422)
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": [10**9]}), 400, "prompt")
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": ""}), 400, "prompt")
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"1": 5}}), 400, "logit_bias")
+
+
+def test_engine_context_limit_is_400(server_factory, tiny_bundle):
+    srv = server_factory(tiny_bundle, max_model_len=64)
+    r = httpx.post(srv.base_url + "/completions", headers={"Authorization": "Bearer sk-alice"},
+                   json={"prompt": [65] * 60, "max_tokens": 10})
+    err = _assert_openai_error(r, 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    # chat without max_tokens gets the room left in the context instead of a refusal
+    r = srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "b" * 30}],
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 64
+
+
+def test_no_text_in_logs_or_metrics(srv, caplog):
+    caplog.set_level(logging.DEBUG)
+    c = srv.client()
+    r = c.completions.create(model=srv.model, prompt=f"secret {CANARY}", max_tokens=8, temperature=0)
+    c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": CANARY}], max_tokens=4,
+                              stream=True).close()
+    out_text = r.choices[0].text
+    metrics = httpx.get(srv.url + "/metrics").text
+    logs = "\n".join(rec.getMessage() for rec in caplog.records)
+    assert any("tenant=alice" in rec.getMessage() for rec in caplog.records)  # the log line exists
+    for blob in (metrics, logs):
+        assert CANARY not in blob and "secret" not in blob and "sk-alice" not in blob
+        if len(out_text.strip()) >= 6:
+            assert out_text.strip() not in blob
+    assert "alice" not in metrics and "bob" not in metrics  # no tenant names either
+
+
+def test_metrics_count_tokens_and_requests(srv):
+    before = srv.metrics()
+    srv.client().completions.create(model=srv.model, prompt="count me", max_tokens=7, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = srv.metrics()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("isolab_generation_tokens_total") == 7
+    assert delta("isolab_prompt_tokens_total") == len(srv.engine.tokenizer.encode("count me"))
+    assert delta('isolab_http_requests_total{code="200",route="/v1/completions"}') == 1
+    assert delta('isolab_requests_finished_total{finish_reason="length"}') == 1
+    for name in ("isolab_kv_blocks_used", "isolab_kv_blocks_free", "isolab_num_requests_waiting",
+                 "isolab_num_requests_running", "isolab_prefix_cache_queries_tokens_total",
+                 "isolab_prefix_cache_hits_tokens_total", "isolab_audit_violations_total"):
+        assert name in after, name
+    assert after["isolab_prefix_cache_queries_tokens_total"] > before.get("isolab_prefix_cache_queries_tokens_total", 0)
+
+
+def test_error_event_shapes_are_json(srv):
+    """Every SSE data line is JSON or [DONE] (clients parse each one)."""
+    with httpx.stream("POST", srv.base_url + "/chat/completions", headers={"Authorization": "Bearer sk-alice"},
+                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True}) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    for ln in lines[:-1]:
+        assert json.loads(ln)["object"] == "chat.completion.chunk"
