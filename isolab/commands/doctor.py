@@ -1,0 +1,96 @@
+"""Owns `isolab doctor`: the seed's four diagnosis questions (claim C12), run as experiments.
+
+    isolab doctor --tiny --engine-args "--inject-fault coarse-key"
+    isolab doctor --base-url http://localhost:8000 --no-cache-field cache_prompt=false
+
+Exit status: 0 when no symptom was found, 1 when one was (the verdict says what kind), 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from isolab.errors import InvalidRequestError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="answer the four diagnosis questions by experiment; print a verdict")
+    tgt = p.add_argument_group("target (an isolab engine in process by default)")
+    tgt.add_argument("--engine-args", default="", metavar="ARGS",
+                     help='engine flags as for `isolab generate`, in one string: "--inject-fault coarse-key --kv-cache-memory 128KiB"')
+    tgt.add_argument("--tiny", action="store_true", help="use a tiny random model (seconds, not minutes)")
+    tgt.add_argument("--base-url", default=None, metavar="URL", help="diagnose an OpenAI-compatible server instead")
+    tgt.add_argument("--model-name", default=None, help="the server's model name (default: the first of /v1/models)")
+    tgt.add_argument("--api-key", default=None)
+    tgt.add_argument("--scope-field", default="cache_salt", help="the body field that carries an item's scope (server)")
+    tgt.add_argument("--no-cache-field", default=None, metavar="FIELD=VALUE",
+                     help="the per-request switch that turns the server's prompt cache off, e.g. cache_prompt=false")
+    w = p.add_argument_group("workload and checks")
+    w.add_argument("--workload", default=None, metavar="FILE.jsonl",
+                   help='one {"prompt", "max_tokens"?, "temperature"?, "seed"?, "scope"?} a line (default: the built-in mix)')
+    w.add_argument("--check", action="append", default=[], metavar="SPEC",
+                   help="python:module:function(prompt, text) -> ok, or a regex every output must match (repeatable)")
+    w.add_argument("--concurrency", default="1,2,4,8,16", help="the load sweep (1,2,4,8,16)")
+    w.add_argument("--tie-margin", type=float, default=0.1, help="server only: a first difference within this many nats is a near-tie")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", default=None, metavar="FILE", help="write the findings and the verdict as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png", help="plot the symptom rate against concurrency")
+    p.set_defaults(func=run)
+
+
+def _engine_kwargs(text: str, tiny: bool) -> dict:
+    from isolab.commands.common import add_engine_args, llm_kwargs
+
+    parser = argparse.ArgumentParser(prog="--engine-args", add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    try:
+        ns, rest = parser.parse_known_args(shlex.split(text))
+    except (argparse.ArgumentError, argparse.ArgumentTypeError, ValueError) as exc:
+        raise InvalidRequestError(f"--engine-args: {exc}", field="engine_args") from None
+    if rest:
+        raise InvalidRequestError(f"--engine-args: unknown engine flags {' '.join(rest)}", field="engine_args")
+    if tiny and ns.model is None:
+        import tempfile
+
+        from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+        ns.model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(layers=2, seed=1)))
+        ns.device = ns.device or "cpu"
+    return llm_kwargs(ns)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from isolab.doctor.experiments import EngineTarget, diagnose
+    from isolab.doctor.report import plot_sweep, print_report, write_json
+    from isolab.doctor.symptoms import parse_check
+    from isolab.doctor.verdict import NO_SYMPTOM, judge
+    from isolab.doctor.workload import builtin_workload, load_jsonl
+
+    try:
+        concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+        assert concurrencies and min(concurrencies) >= 1
+    except (ValueError, AssertionError):
+        raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
+    checks = [parse_check(c) for c in args.check]
+    items = load_jsonl(args.workload) if args.workload else builtin_workload()
+    if args.base_url:
+        from isolab.doctor.http_target import HttpTarget, parse_field
+
+        if args.engine_args:
+            raise InvalidRequestError("give --engine-args or --base-url, not both", field="base_url")
+        target = HttpTarget(args.base_url, model=args.model_name, api_key=args.api_key, scope_field=args.scope_field or None,
+                            no_cache=parse_field(args.no_cache_field) if args.no_cache_field else None)
+    else:
+        target = EngineTarget(_engine_kwargs(args.engine_args, args.tiny))
+    findings = diagnose(target, items, concurrencies=concurrencies, checks=checks, tie_margin=args.tie_margin,
+                        log=lambda s: print(f"  running {s}", file=sys.stderr))
+    verdict = judge(findings)
+    print_report(findings, verdict)
+    if args.json:
+        write_json(findings, verdict, args.json, {"engine_args": args.engine_args, "base_url": args.base_url})
+    if args.plot:
+        plot_sweep(findings, args.plot)
+    return 0 if verdict.verdict == NO_SYMPTOM else 1

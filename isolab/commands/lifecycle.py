@@ -1,0 +1,40 @@
+"""Owns `isolab lifecycle TRACE --out FILE.png|.html`: draw a block lifecycle trace (claim C16).
+
+Prints the trace's completeness (every block life ended, still held, or cached) and its audit
+violations; exit 1 when the trace is incomplete.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lifecycle", help="draw a block lifecycle trace (from --trace) as a PNG or HTML page")
+    p.add_argument("trace", help="the JSONL file written by --trace")
+    p.add_argument("--out", required=True, metavar="FILE.png|FILE.html")
+    p.add_argument("--title", default="")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from isolab.errors import InvalidRequestError
+    from isolab.lifecycle.draw import write_html, write_png
+    from isolab.lifecycle.trace import completeness, load
+
+    out = str(args.out)
+    if not out.endswith((".png", ".html", ".htm")):
+        raise InvalidRequestError(f"--out {out!r}: name a .png or .html file", field="out")
+    trace = load(args.trace)
+    if not trace.records:
+        raise InvalidRequestError(f"the trace {args.trace} holds no events: was the engine run with --trace?", field="trace")
+    (write_png if out.endswith(".png") else write_html)(trace, out, args.title)
+    c = completeness(trace)
+    print(f"{c['lives']} block lives over {trace.last_step} steps: {c['ended']} ended (freed or evicted), "
+          f"{c['still_held']} still held, {c['cached_idle']} cached and idle; {c['violations']} audit violations")
+    for v in trace.violations:
+        print(f"  violation at step {v['step']}: block {v['block']} read by {v['request']}, written by {v.get('writer')}")
+    for problem in c["problems"]:
+        print(f"  incomplete: {problem}")
+    print(f"wrote {out}")
+    return 0 if c["complete"] else 1

@@ -1,0 +1,130 @@
+"""Owns the doctor's target for any OpenAI-compatible server: `/v1/completions`, temperature as the
+item asks, logprobs 5, over httpx.
+
+Does not judge. Differences from the engine target: the server's cache outlives a run, so
+cross-scope hits are judged against everything this doctor sent before; "alone" is one request in
+flight (with the cache switch, when the user named one, to come closest to a fresh engine); the
+comparison tolerates near-ties (a server need not be bit-exact); token strings stand for token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+
+import httpx
+
+from isolab.doctor.symptoms import Result
+from isolab.doctor.workload import Item, word_variant
+from isolab.errors import InvalidRequestError
+
+
+def parse_field(spec: str) -> dict:
+    """'cache_prompt=false' -> {"cache_prompt": False}: the value is JSON when it parses, else a string."""
+    if "=" not in spec:
+        raise InvalidRequestError(f"{spec!r}: write FIELD=VALUE, e.g. cache_prompt=false", field="no_cache_field")
+    key, value = spec.split("=", 1)
+    try:
+        return {key: json.loads(value)}
+    except ValueError:
+        return {key: value}
+
+
+class HttpTarget:
+    exact = False
+
+    def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
+                 scope_field: str | None = "cache_salt", no_cache: dict | None = None, stagger_s: float = 0.02,
+                 timeout_s: float = 120.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self.scope_field = scope_field
+        self.no_cache = no_cache
+        self.can_disable_cache = no_cache is not None
+        self.stagger_s = stagger_s
+        self.timeout_s = timeout_s
+        self.transport = transport
+        self.history: list[tuple[Item, Result]] = []
+        self.name = f"OpenAI-compatible server at {self.base_url}"
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout_s, transport=self.transport)
+
+    async def _model(self, client: httpx.AsyncClient) -> str:
+        if self.model is None:
+            r = await client.get("/models")
+            r.raise_for_status()
+            self.model = r.json()["data"][0]["id"]
+        return self.model
+
+    async def _complete(self, client: httpx.AsyncClient, it: Item, cache: bool) -> Result:
+        body: dict = {"model": await self._model(client), "prompt": it.prompt, "max_tokens": it.max_tokens,
+                      "temperature": it.temperature, "logprobs": 5}
+        if it.seed is not None:
+            body["seed"] = it.seed
+        if it.scope is not None and self.scope_field:
+            body[self.scope_field] = it.scope
+        if not cache and self.no_cache:
+            body.update(self.no_cache)
+        try:
+            r = await client.post("/completions", json=body)
+        except httpx.HTTPError as exc:
+            return Result(it.item_id, (), (), (), "", 0, f"transport error: {exc}")
+        if r.status_code != 200:
+            return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {r.text[:200]}")
+        data = r.json()
+        ch = data["choices"][0]
+        lp = ch.get("logprobs") or {}
+        tokens = tuple(lp.get("tokens") or ()) or (ch["text"],)
+        top = tuple(dict(t or {}) for t in (lp.get("top_logprobs") or ()))
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return Result(it.item_id, tokens, tuple(x for x in (lp.get("token_logprobs") or ()) if x is not None), top,
+                      ch["text"], int(details.get("cached_tokens") or 0))
+
+    def prepare(self, items: Sequence[Item]) -> list[Item]:
+        if not all(isinstance(it.prompt, str) for it in items):
+            raise InvalidRequestError("a server workload needs text prompts", field="workload")
+        return list(items)
+
+    def variant(self, items: Sequence[Item], seed: int) -> list[Item]:
+        return word_variant(items, seed)
+
+    def alone(self, item: Item) -> Result:
+        async def go() -> Result:
+            async with self._client() as client:
+                return await self._complete(client, item, cache=not self.can_disable_cache)
+
+        res = asyncio.run(go())
+        self.history.append((item, res))
+        return res
+
+    def together(self, items: Sequence[Item], concurrency: int, prefix_cache: bool) -> tuple[list[tuple[Item, Result]], dict]:
+        async def go() -> list[Result]:
+            sem = asyncio.Semaphore(concurrency)
+            async with self._client() as client:
+                await self._model(client)
+
+                async def one(it: Item) -> Result:
+                    try:
+                        return await self._complete(client, it, prefix_cache)
+                    finally:
+                        sem.release()
+
+                tasks = []
+                for it in items:  # admitted in order, at most `concurrency` in flight
+                    await sem.acquire()
+                    tasks.append(asyncio.create_task(one(it)))
+                    await asyncio.sleep(self.stagger_s)
+                return list(await asyncio.gather(*tasks))
+
+        results = asyncio.run(go())
+        admitted = list(zip(items, results, strict=True))
+        self.history.extend(admitted)
+        return admitted, {"cached_tokens": sum(r.cached_tokens for r in results)}
+
+    def cross_scope_history(self) -> list[tuple[Item, Result]]:
+        return list(self.history)

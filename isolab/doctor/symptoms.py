@@ -1,0 +1,148 @@
+"""Owns what counts as a symptom: a run's output against the same request run alone, user checks,
+and cross-scope cache hits. Pure functions over recorded results; nothing here runs a model.
+
+Kinds:
+  differs      the output differs from the same request run alone (an isolab engine is bit-exact,
+               so any difference counts; for another server, a first differing token where the
+               solo run's top two were within `tie_margin` nats is a near-tie, not a symptom)
+  check        the user's check (a regex the text must match, or python:module:function) failed
+  error        the request failed (e.g. audit mode caught an isolation violation)
+  cross-scope  the request was served more cached prompt tokens than any earlier request of its
+               own scope could have given it: another scope's blocks (units: tokens, or characters
+               for a server, an upper bound for ASCII text)
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from isolab.doctor.workload import Item
+from isolab.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Result:
+    item_id: str
+    tokens: tuple[Hashable, ...]  # token ids (engine) or token strings (server)
+    logprobs: tuple[float, ...]  # the chosen token's logprob at each position (may be empty)
+    top: tuple[dict[Hashable, float], ...]  # the top alternatives at each position (may be empty)
+    text: str
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Symptom:
+    item_id: str
+    kind: str  # differs | check | error | cross-scope
+    detail: str
+
+
+Check = Callable[[str, str], bool]  # (prompt text, output text) -> ok
+
+
+def parse_check(spec: str) -> Check:
+    """'python:module:function' (called with prompt and output text, returns truthy when fine) or a regex."""
+    if spec.startswith("python:"):
+        parts = spec.split(":")
+        if len(parts) != 3 or not all(parts[1:]):
+            raise InvalidRequestError(f"--check {spec!r}: write python:module:function", field="check")
+        if "" not in sys.path:
+            sys.path.insert(0, "")
+        try:
+            fn = getattr(importlib.import_module(parts[1]), parts[2])
+        except (ImportError, AttributeError) as exc:
+            raise InvalidRequestError(f"--check {spec!r}: cannot load it ({exc})", field="check") from None
+        return lambda prompt, text: bool(fn(prompt, text))
+    try:
+        rx = re.compile(spec)
+    except re.error as exc:
+        raise InvalidRequestError(f"--check {spec!r} is neither python:module:function nor a regex ({exc})", field="check") from None
+    return lambda prompt, text: rx.search(text) is not None
+
+
+def compare(ref: Result, got: Result, *, exact: bool, tie_margin: float) -> str | None:
+    """Why `got` differs from the solo run `ref`, or None when it does not (or only at a near-tie)."""
+    if got.tokens == ref.tokens:
+        if exact and got.logprobs and ref.logprobs and got.logprobs != ref.logprobs:
+            i = next(i for i, (a, b) in enumerate(zip(got.logprobs, ref.logprobs, strict=False)) if a != b)
+            return f"same tokens, logprobs differ from position {i} ({got.logprobs[i]!r} vs {ref.logprobs[i]!r} alone)"
+        return None
+    n = min(len(got.tokens), len(ref.tokens))
+    i = next((i for i in range(n) if got.tokens[i] != ref.tokens[i]), n)
+    if not exact and i < len(ref.top) and ref.top[i]:
+        alts = sorted(ref.top[i].values(), reverse=True)
+        best = alts[0]
+        other = ref.top[i].get(got.tokens[i]) if i < len(got.tokens) else None
+        runner_up = other if other is not None else (alts[1] if len(alts) > 1 else None)
+        if runner_up is not None and best - runner_up < tie_margin:
+            return None  # a near-tie alone: drift, not contamination
+    wrong = sum(1 for a, b in zip(got.tokens[i:], ref.tokens[i:], strict=False) if a != b)
+    return f"tokens differ from position {i} on ({wrong} of the next {max(len(ref.tokens) - i, 0)} wrong)"
+
+
+def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cross_scope_hits(
+    admitted: Sequence[tuple[Item, Result]], history: Sequence[tuple[Item, Result]] = ()
+) -> list[Symptom]:
+    """Hits larger than anything the request's own scope computed before it (admission order)."""
+    out: list[Symptom] = []
+    seen: list[tuple[Item, Result]] = list(history)
+    for item, res in admitted:
+        if res.cached_tokens > 0:
+            allowed = 0
+            for prev, pres in seen:
+                if prev.scope == item.scope:
+                    before = prev.prompt + (pres.tokens if isinstance(prev.prompt, tuple) else pres.text)  # type: ignore[operator]
+                    allowed = max(allowed, _common_prefix(item.prompt, before))
+            if res.cached_tokens > allowed:
+                out.append(Symptom(item.item_id, "cross-scope", (
+                    f"scope {item.scope!r} was served {res.cached_tokens} cached tokens; its own scope "
+                    f"computed at most {allowed} of them")))
+        seen.append((item, res))
+    return out
+
+
+def find_symptoms(
+    items: Sequence[Item],
+    results: dict[str, Result],
+    refs: dict[str, Result],
+    *,
+    exact: bool,
+    tie_margin: float = 0.1,
+    checks: Sequence[Check] = (),
+) -> list[Symptom]:
+    """Symptoms of one run: `results` by item id against `refs` (the same items, each run alone)."""
+    out: list[Symptom] = []
+    for it in items:
+        res = results.get(it.item_id)
+        if res is None:
+            continue
+        if res.error is not None:
+            out.append(Symptom(it.item_id, "error", res.error))
+            continue
+        ref = refs.get(it.item_id)
+        if ref is not None and ref.error is None and it.comparable:
+            why = compare(ref, res, exact=exact, tie_margin=tie_margin)
+            if why is not None:
+                out.append(Symptom(it.item_id, "differs", why))
+        prompt = it.prompt if isinstance(it.prompt, str) else (it.text or "")
+        if any(not check(prompt, res.text) for check in checks):
+            out.append(Symptom(it.item_id, "check", f"the user's check failed on {res.text[:60]!r}"))
+    return out
+
+
+def symptomatic_ids(symptoms: Sequence[Symptom]) -> set[str]:
+    return {s.item_id for s in symptoms}

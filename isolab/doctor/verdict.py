@@ -1,0 +1,155 @@
+"""Owns the doctor's judgement: the seed's four questions answered from recorded runs, and the verdict.
+
+Pure: takes the runs' symptoms (experiments.py records them), returns answers and a verdict, so
+tests check it on recorded results without a model.
+
+    (a) concurrency  symptoms when requests share an engine, none when each runs alone
+    (b) input        the symptomatic requests change when the content changes (same shapes)
+    (c) load         the symptom rate grows with concurrency
+    (d) cache        the symptoms vanish with the prefix cache off
+
+Verdict (the seed: yes to (a) and (d) locks it on shared state or cache isolation):
+    no symptom anywhere                               -> NO_SYMPTOM
+    a symptom alone (no sharing at all)               -> SOMETHING_ELSE
+    shared-engine symptoms that vanish with cache off -> CACHE_ISOLATION
+    shared-engine symptoms that persist with it off   -> SHARED_NOT_CACHE
+    shared-engine symptoms, no way to turn cache off  -> SHARED_STATE
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from isolab.doctor.symptoms import Symptom, symptomatic_ids
+
+NO_SYMPTOM = "no symptom"
+SOMETHING_ELSE = "something else (not isolation)"
+CACHE_ISOLATION = "shared state: cache isolation"
+SHARED_NOT_CACHE = "shared state, not the cache (e.g. RNG or batch state)"
+SHARED_STATE = "shared state (cache or not: no cache switch to tell)"
+
+YES, NO, NA = "yes", "no", "n/a"
+
+
+@dataclass
+class RunRecord:
+    label: str
+    content: str  # "original" | "variant"
+    concurrency: int | None  # None: each request alone
+    prefix_cache: bool
+    num_items: int
+    symptoms: list[Symptom]
+    stats: dict = field(default_factory=dict)  # engine counters (hits, evictions, violations)
+
+    @property
+    def num_symptomatic(self) -> int:
+        return len(symptomatic_ids(self.symptoms))
+
+    @property
+    def rate(self) -> float:
+        return self.num_symptomatic / self.num_items if self.num_items else 0.0
+
+
+@dataclass
+class Findings:
+    target: str
+    alone: RunRecord
+    sweep: list[RunRecord]  # together, original content, cache on, by rising concurrency
+    variant: RunRecord  # together at the top concurrency, other content
+    nocache: list[RunRecord]  # together, cache off (empty: the target has no switch)
+
+
+@dataclass(frozen=True)
+class Answer:
+    question: str
+    answer: str  # yes | no | n/a
+    evidence: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str
+    answers: tuple[Answer, ...]
+
+    @property
+    def fired(self) -> list[str]:
+        return [a.question[1] for a in self.answers if a.answer == YES]
+
+
+def _ids(runs: Sequence[RunRecord]) -> set[str]:
+    return set().union(*(symptomatic_ids(r.symptoms) for r in runs)) if runs else set()
+
+
+def answer_concurrency(f: Findings) -> Answer:
+    shared = [r for r in f.sweep if r.symptoms]
+    n_alone = f.alone.num_symptomatic
+    ev = (f"alone: {n_alone}/{f.alone.num_items} requests; sharing an engine: "
+          + ", ".join(f"c={r.concurrency}: {r.num_symptomatic}" for r in f.sweep))
+    return Answer("(a) only under concurrency or batching, never alone?", YES if shared and not n_alone else NO, ev)
+
+
+def answer_input(f: Findings) -> Answer:
+    top = f.sweep[-1] if f.sweep else None
+    orig = symptomatic_ids(top.symptoms) if top else set()
+    var = symptomatic_ids(f.variant.symptoms)
+    ev = f"original content: {sorted(orig) or 'none'}; same shapes, other content: {sorted(var) or 'none'}"
+    if not orig and not var:
+        return Answer("(b) depends on the input (same lengths, other content)?", NA, ev)
+    overlap = len(orig & var) / len(orig | var)
+    ev += f" (overlap {overlap:.0%})"
+    return Answer("(b) depends on the input (same lengths, other content)?", YES if overlap < 0.5 else NO, ev)
+
+
+def answer_load(f: Findings) -> Answer:
+    rates = [(r.concurrency, r.rate) for r in f.sweep]
+    ev = ", ".join(f"c={c}: {rate:.0%}" for c, rate in rates)
+    if not any(rate for _, rate in rates):
+        return Answer("(c) grows with load?", NA, ev)
+    ups = sum(1 for (_, a), (_, b) in zip(rates, rates[1:], strict=False) if b > a)
+    downs = sum(1 for (_, a), (_, b) in zip(rates, rates[1:], strict=False) if b < a)
+    grows = rates[-1][1] > rates[0][1] and ups >= downs
+    return Answer("(c) grows with load?", YES if grows else NO, ev)
+
+
+def answer_cache(f: Findings) -> Answer:
+    if not f.nocache:
+        return Answer("(d) vanishes with prefix caching off?", NA, "no way to turn the cache off was given")
+    on = {r.concurrency: r.num_symptomatic for r in f.sweep}
+    ev = ", ".join(f"c={r.concurrency}: {on.get(r.concurrency, '?')} with cache, {r.num_symptomatic} without" for r in f.nocache)
+    if not any(on.values()) and not any(r.symptoms for r in f.nocache):
+        return Answer("(d) vanishes with prefix caching off?", NA, ev)
+    return Answer("(d) vanishes with prefix caching off?", NO if any(r.symptoms for r in f.nocache) else YES, ev)
+
+
+def judge(f: Findings) -> Verdict:
+    answers = (answer_concurrency(f), answer_input(f), answer_load(f), answer_cache(f))
+    shared = _ids(f.sweep) | symptomatic_ids(f.variant.symptoms) | _ids(f.nocache)
+    if f.alone.symptoms:
+        v = SOMETHING_ELSE
+    elif not shared:
+        v = NO_SYMPTOM
+    elif not f.nocache:
+        v = SHARED_STATE
+    elif any(r.symptoms for r in f.nocache):
+        v = SHARED_NOT_CACHE
+    else:
+        v = CACHE_ISOLATION
+    return Verdict(v, answers)
+
+
+def to_json(f: Findings, v: Verdict) -> dict:
+    def run(r: RunRecord) -> dict:
+        d = asdict(r)
+        d["num_symptomatic"] = r.num_symptomatic
+        d["rate"] = r.rate
+        return d
+
+    return {
+        "target": f.target,
+        "verdict": v.verdict,
+        "fired": v.fired,
+        "answers": [asdict(a) for a in v.answers],
+        "runs": {"alone": run(f.alone), "sweep": [run(r) for r in f.sweep], "variant": run(f.variant),
+                 "nocache": [run(r) for r in f.nocache]},
+    }

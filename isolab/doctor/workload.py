@@ -1,0 +1,163 @@
+"""Owns the doctor's workload: the built-in mix, JSONL loading, and same-shape content variants.
+
+Does not run anything (experiments.py) nor judge (verdict.py).
+
+The built-in mix is built to exercise every kind of shared state a request can meet:
+
+    family prefixes   four long preambles, each followed by different questions (prefix sharing)
+    repeats           prompts sent twice, the second send later (the send that hits the cache)
+    equal lengths     different prompts of one length (a key that forgets the tokens collides)
+    extensions        a prompt, then the same prompt plus more while the first one decodes
+    two scopes        tenants "a" and "b" send the same prompt (a key that forgets the scope)
+    seeded sampling   temperature 1 with a seed: alone and together must agree (shared RNG)
+
+A variant keeps every length, repeat and shared prefix and changes every word (text) or token
+(ids), through one bijection: question (b), "does it depend on the input?".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from isolab.errors import InvalidRequestError
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Item:
+    item_id: str
+    prompt: Prompt  # text, or token ids once an engine target has tokenized it
+    max_tokens: int = 12
+    temperature: float = 0.0
+    seed: int | None = None  # sampled items need one: otherwise no run can be compared to another
+    scope: str | None = None  # cache scope (engine) or the value of the scope field (server)
+    text: str | None = None  # the prompt's text, kept when `prompt` becomes token ids
+
+    @property
+    def comparable(self) -> bool:
+        """Whether two runs of this item must agree: greedy, or sampled with a seed."""
+        return self.temperature == 0.0 or self.seed is not None
+
+
+_WORDS = (
+    "amber basin cedar delta ember fjord grove harbor island jetty kettle lantern meadow nickel orchid "
+    "pepper quarry river saddle timber umber valley willow yarrow zephyr anchor bramble copper dune "
+    "falcon granite hollow iris juniper kestrel linen marble nectar onyx pebble quartz"
+).split()
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def builtin_workload(seed: int = 0) -> list[Item]:
+    """About 30 requests whose order (arrival order) puts each repeat several places after its first send."""
+    rng = random.Random(seed)
+    fam = [_sentence(rng, 10) for _ in range(3)]
+    same_len = [_sentence(rng, 6) for _ in range(4)]
+    base = _sentence(rng, 8)
+    shared = _sentence(rng, 9)
+    rep = [_sentence(rng, 7) for _ in range(3)]
+    sampled = [_sentence(rng, 5) for _ in range(4)]
+    items: list[Item] = []
+
+    def add(prompt: str, **kw: object) -> None:
+        items.append(Item(f"r{len(items):02d}", prompt, **kw))  # type: ignore[arg-type]
+
+    add(base, max_tokens=20)  # decodes long while its extension arrives
+    add(base + " " + _sentence(rng, 3), max_tokens=8)
+    for s in same_len[:2]:
+        add(s)
+    add(fam[0] + " " + _sentence(rng, 3))
+    add(rep[0])
+    add(shared, scope="a")
+    add(sampled[0], temperature=1.0, seed=11)
+    add(fam[1] + " " + _sentence(rng, 3))
+    add(sampled[1], temperature=1.0, seed=12)
+    add(rep[1])
+    add(fam[0] + " " + _sentence(rng, 4))
+    add(same_len[2])
+    add(shared, scope="b")  # same tokens, other tenant: must not hit scope a's blocks
+    add(rep[0])  # repeat
+    add(fam[2] + " " + _sentence(rng, 2))
+    add(sampled[2], temperature=1.0, seed=13)
+    add(fam[1] + " " + _sentence(rng, 4))
+    add(rep[2])
+    add(same_len[3])
+    add(rep[1])  # repeat
+    add(sampled[3], temperature=1.0, seed=14)
+    add(fam[2] + " " + _sentence(rng, 3))
+    add(shared, scope="a")  # same tenant: may hit
+    add(rep[2])  # repeat
+    add(base + " " + _sentence(rng, 2), max_tokens=6)
+    add(fam[0] + " " + _sentence(rng, 2))
+    add(rep[0])  # third send
+    return items
+
+
+def load_jsonl(path: str | Path) -> list[Item]:
+    """One JSON object a line: {"prompt": str, "max_tokens"?, "temperature"?, "seed"?, "scope"?, "id"?}."""
+    items: list[Item] = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read the workload {path}: {exc.strerror}", field="workload") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            prompt = rec["prompt"]
+            assert isinstance(prompt, str) and prompt
+            items.append(Item(
+                str(rec.get("id", f"r{len(items):02d}")), prompt, int(rec.get("max_tokens", 12)),
+                float(rec.get("temperature", 0.0)), rec.get("seed"), rec.get("scope"),
+            ))
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise InvalidRequestError(
+                f"{path} line {n} is not a JSON object with a non-empty string \"prompt\"", field="workload"
+            ) from None
+    if not items:
+        raise InvalidRequestError(f"the workload {path} holds no prompts", field="workload")
+    return items
+
+
+def word_variant(items: Sequence[Item], seed: int) -> list[Item]:
+    """Each distinct word becomes another of the same length, everywhere (one bijection)."""
+    rng = random.Random(seed)
+    mapping: dict[str, str] = {}
+    used: set[str] = set()
+
+    def sub(word: str) -> str:
+        if word not in mapping:
+            while True:
+                new = "".join(rng.choice(string.ascii_lowercase) for _ in word)
+                if new not in used and new != word:
+                    break
+            mapping[word] = new
+            used.add(new)
+        return mapping[word]
+
+    out = []
+    for it in items:
+        assert isinstance(it.prompt, str)
+        out.append(replace(it, prompt=" ".join(sub(w) for w in it.prompt.split(" "))))
+    return out
+
+
+def token_variant(items: Sequence[Item], seed: int, lo: int, hi: int) -> list[Item]:
+    """Each distinct token id becomes another id in [lo, hi), everywhere (one bijection)."""
+    rng = random.Random(seed)
+    distinct = sorted({t for it in items for t in it.prompt})  # type: ignore[union-attr]
+    pool = list(range(lo, hi))
+    rng.shuffle(pool)
+    pool = [t for t in pool if t not in set(distinct)] + [t for t in pool if t in set(distinct)]
+    assert len(pool) >= len(distinct), "the vocabulary is smaller than the workload's distinct tokens"
+    mapping = dict(zip(distinct, pool, strict=False))
+    return [replace(it, prompt=tuple(mapping[t] for t in it.prompt)) for it in items]  # type: ignore[union-attr]

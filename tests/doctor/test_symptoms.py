@@ -1,0 +1,59 @@
+"""What counts as a symptom: exact and near-tie comparison, checks, cross-scope hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from isolab.doctor.symptoms import Result, compare, cross_scope_hits, find_symptoms, parse_check
+from isolab.doctor.workload import Item, builtin_workload, token_variant, word_variant
+from isolab.errors import InvalidRequestError
+
+
+def res(tokens, lps=(), top=(), text="", cached=0, rid="r"):
+    return Result(rid, tuple(tokens), tuple(lps), tuple(top), text, cached)
+
+
+def test_exact_counts_a_logprob_only_difference():
+    assert compare(res([1, 2], [-0.5, -1.0]), res([1, 2], [-0.5, -1.0]), exact=True, tie_margin=0) is None
+    assert "logprobs differ from position 1" in compare(res([1, 2], [-0.5, -1.0]), res([1, 2], [-0.5, -1.1]), exact=True, tie_margin=0)
+    assert "position 1" in compare(res([1, 2, 3]), res([1, 5, 3]), exact=True, tie_margin=0)
+
+
+def test_near_tie_is_not_a_symptom_for_a_server():
+    ref = res(["a", "b"], top=[{"a": -0.1}, {"b": -0.70, "c": -0.72}])
+    assert compare(ref, res(["a", "c"]), exact=False, tie_margin=0.1) is None
+    confident = res(["a", "b"], top=[{"a": -0.1}, {"b": -0.1, "c": -3.0}])
+    assert compare(confident, res(["a", "c"]), exact=False, tie_margin=0.1) is not None
+
+
+def test_checks_regex_and_python(tmp_path, monkeypatch):
+    (tmp_path / "mycheck.py").write_text("def ok(prompt, text):\n    return 'bad' not in text\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    items = [Item("r0", "p")]
+    for spec, text, n in (("^ok", "ok fine", 0), ("^ok", "nope", 1), ("python:mycheck:ok", "bad", 1), ("python:mycheck:ok", "good", 0)):
+        sym = find_symptoms(items, {"r0": res([1], text=text, rid="r0")}, {}, exact=True, checks=[parse_check(spec)])
+        assert len(sym) == n and all(s.kind == "check" for s in sym)
+    with pytest.raises(InvalidRequestError):
+        parse_check("python:nomodule_here:f")
+
+
+def test_cross_scope_hit_counts_only_foreign_blocks():
+    a = Item("a1", (1, 2, 3, 4), scope="a")
+    b = Item("b1", (1, 2, 3, 4), scope="b")
+    a2 = Item("a2", (1, 2, 3, 9), scope="a")
+    ok = cross_scope_hits([(a, res([7], rid="a1")), (a2, res([7], cached=3, rid="a2"))])
+    assert ok == []
+    bad = cross_scope_hits([(a, res([7], rid="a1")), (b, res([7], cached=3, rid="b1"))])
+    assert [s.item_id for s in bad] == ["b1"] and bad[0].kind == "cross-scope"
+
+
+def test_variants_keep_shapes_and_sharing():
+    items = builtin_workload()
+    var = word_variant(items, 1)
+    for x, y in zip(items, var, strict=True):
+        assert len(x.prompt) == len(y.prompt) and x.prompt != y.prompt
+    same = [(i, j) for i in range(len(items)) for j in range(len(items)) if items[i].prompt == items[j].prompt]
+    assert same == [(i, j) for i in range(len(var)) for j in range(len(var)) if var[i].prompt == var[j].prompt]
+    ids = [Item("x", (5, 6, 7)), Item("y", (5, 6, 8))]
+    tv = token_variant(ids, 0, 100, 200)
+    assert tv[0].prompt[:2] == tv[1].prompt[:2] and tv[0].prompt != ids[0].prompt and len(tv[0].prompt) == 3

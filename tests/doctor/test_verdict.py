@@ -1,0 +1,66 @@
+"""The verdict logic on recorded results: each attribution, and each question's answer."""
+
+from __future__ import annotations
+
+from isolab.doctor.symptoms import Symptom
+from isolab.doctor.verdict import (
+    CACHE_ISOLATION, NA, NO, NO_SYMPTOM, SHARED_NOT_CACHE, SHARED_STATE, SOMETHING_ELSE, YES, Findings, RunRecord, judge,
+)
+
+N = 10
+
+
+def run(label: str, c: int | None, ids: list[str] = (), cache: bool = True, content: str = "original") -> RunRecord:
+    return RunRecord(label, content, c, cache, N, [Symptom(i, "differs", "x") for i in ids])
+
+
+def findings(sweep: dict[int, list[str]], nocache: dict[int, list[str]] | None, variant: list[str] = (), alone: list[str] = ()) -> Findings:
+    return Findings(
+        "recorded",
+        run("alone", None, alone),
+        [run(f"c={c}", c, ids) for c, ids in sorted(sweep.items())],
+        run("variant", max(sweep), variant, content="variant"),
+        [run(f"off c={c}", c, ids, cache=False) for c, ids in sorted((nocache or {}).items())] if nocache is not None else [],
+    )
+
+
+def test_healthy_is_no_symptom():
+    v = judge(findings({1: [], 4: [], 16: []}, {16: []}))
+    assert v.verdict == NO_SYMPTOM and v.fired == []
+    assert [a.answer for a in v.answers] == [NO, NA, NA, NA]
+
+
+def test_cache_fault_is_cache_isolation():
+    v = judge(findings({1: [], 4: ["r1"], 16: ["r1", "r2"]}, {4: [], 16: []}, variant=["r1", "r2"]))
+    assert v.verdict == CACHE_ISOLATION
+    assert v.fired == ["a", "c", "d"]  # same shapes, same victims: (b) does not fire
+
+
+def test_content_dependent_cache_fault_fires_b():
+    v = judge(findings({1: ["r3"], 16: ["r3"]}, {1: [], 16: []}, variant=["r7"]))
+    assert v.verdict == CACHE_ISOLATION
+    assert "b" in v.fired and "c" not in v.fired  # flat with load
+
+
+def test_shared_rng_is_shared_state_not_cache():
+    v = judge(findings({1: [], 2: ["s1", "s2"], 16: ["s1", "s2", "s3"]}, {2: ["s1"], 16: ["s1", "s2"]}, variant=["s1", "s2"]))
+    assert v.verdict == SHARED_NOT_CACHE
+    assert v.fired == ["a", "c"]
+
+
+def test_symptom_alone_is_something_else():
+    v = judge(findings({1: ["r1"], 16: ["r1"]}, {1: ["r1"], 16: ["r1"]}, variant=["r1"], alone=["r1"]))
+    assert v.verdict == SOMETHING_ELSE
+    assert "a" not in v.fired
+
+
+def test_no_cache_switch_leaves_the_cache_question_open():
+    v = judge(findings({1: [], 16: ["r1"]}, None, variant=["r1"]))
+    assert v.verdict == SHARED_STATE
+    assert v.answers[3].answer == NA
+
+
+def test_decreasing_rate_does_not_grow_with_load():
+    v = judge(findings({1: ["a", "b"], 4: ["a"], 16: []}, {1: [], 4: []}))
+    assert v.answers[2].answer == NO
+    assert v.verdict == CACHE_ISOLATION
