@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -84,4 +85,9 @@ class DrainingServer(uvicorn.Server):
         if not self.app_state.draining:
             logging.getLogger("isolab.server").info("signal %d: draining running requests", sig)
         self.app_state.draining = True
-        super().handle_exit(sig, frame)
+        # As uvicorn's own handler, minus re-raising the signal after shutdown: a completed drain
+        # exits 0. A second Ctrl-C still forces the exit.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
