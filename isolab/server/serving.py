@@ -249,6 +249,9 @@ class Serving:
                      bool(body.stream_options and body.stream_options.include_usage), logprobs is not None, arrival)
 
         num = len(engine_requests)
+        if num > self.capacity:
+            raise ApiError(400, f"prompts x n = {num} engine requests; this server runs at most {self.capacity} at once",
+                           param="n")
         if not self.loop.try_reserve(num, self.capacity):
             self.metrics.rejected.labels("queue_full").inc()
             raise ApiError(429, f"the server's queue is full ({self.capacity} requests in flight); retry later",

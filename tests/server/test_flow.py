@@ -117,9 +117,10 @@ def test_queue_full_is_429_with_retry_after(small_srv):
         loop.release(5)
     r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 200  # room again
-    # n counts: 6 engine requests can never fit a bound of 5
+    # n counts: 6 engine requests can never fit a bound of 5, so that is a 400, not a retry
     r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "x", "max_tokens": 1, "n": 6})
-    assert r.status_code == 429
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert loop.num_reserved == 0
 
 
 def test_load_holds_the_bound_without_losing_or_duplicating(small_srv):

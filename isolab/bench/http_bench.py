@@ -1,0 +1,152 @@
+"""Owns the HTTP side of `isolab bench --url`: a streamed-completions load against any
+OpenAI-compatible server, measuring what its clients feel.
+
+    run_http_bench(url, api_key, model, prompts, max_tokens, concurrency) -> dict
+
+Per request: time to first token (TTFT: request sent -> first non-empty text chunk), inter-token
+latencies (gaps between text chunks), end-to-end time, output tokens (the server's usage when it
+sends one with stream_options.include_usage, else the number of text chunks). In aggregate: output
+tokens per second over the wall time of the whole run, and p50/p90/p99 of each latency.
+Does not start servers and does not know the workload's origin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    num_chunks: int = 0
+    usage_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.num_chunks
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (linear interpolation between closest ranks); None when empty."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(values)
+
+    def q(p: float) -> float:
+        pos = (len(xs) - 1) * p
+        lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": sum(xs) / len(xs), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99)}
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+async def _one(client: httpx.AsyncClient, base: str, headers: dict[str, str], body: dict[str, Any]) -> RequestResult:
+    res = RequestResult(ok=False)
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with client.stream("POST", base + "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                res.error = f"HTTP {r.status_code}: {text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    res.error = str(obj["error"])[:200]
+                    return res
+                usage = obj.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    res.usage_tokens = int(usage["completion_tokens"])
+                for choice in obj.get("choices") or ():
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft_s = now - start
+                        else:
+                            res.itl_s.append(now - last)
+                        last = now
+                        res.num_chunks += 1
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        res.e2e_s = time.perf_counter() - start
+    return res
+
+
+async def _run(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
+               concurrency: int, *, ignore_eos: bool, timeout_s: float, temperature: float) -> dict[str, Any]:
+    base = _base(url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        if model is None:
+            r = await client.get(base + "/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(prompt: str, n: int) -> RequestResult:
+            body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": temperature,
+                                    "stream": True, "stream_options": {"include_usage": True}}
+            if ignore_eos:
+                body["ignore_eos"] = True  # vLLM's extension; servers without it ignore the field
+            async with gate:
+                return await _one(client, base, headers, body)
+
+        wall_start = time.perf_counter()
+        results = await asyncio.gather(*(gated(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+        wall_s = time.perf_counter() - wall_start
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "url": base,
+        "model": model,
+        "num_requests": len(results),
+        "concurrency": concurrency,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(done) / wall_s if wall_s > 0 else 0.0,
+        "tokens_counted_from": "usage" if done and all(r.usage_tokens is not None for r in done) else "chunks",
+        "ttft_s": percentiles([r.ttft_s for r in done if r.ttft_s is not None]),
+        "itl_s": percentiles([x for r in done for x in r.itl_s]),
+        "e2e_s": percentiles([r.e2e_s for r in done]),
+        "tokens_per_request": percentiles([float(r.output_tokens) for r in done]),
+    }
+
+
+def run_http_bench(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
+                   concurrency: int, *, ignore_eos: bool = True, timeout_s: float = 600.0,
+                   temperature: float = 0.0) -> dict[str, Any]:
+    """Send every prompt as a streamed completion, at most `concurrency` at a time; see the module doc."""
+    if len(prompts) != len(max_tokens):
+        raise ValueError("give one max_tokens per prompt")
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    return asyncio.run(_run(url, api_key, model, prompts, max_tokens, concurrency, ignore_eos=ignore_eos,
+                            timeout_s=timeout_s, temperature=temperature))

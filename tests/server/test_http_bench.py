@@ -1,0 +1,26 @@
+"""isolab.bench.http_bench against a real uvicorn: counts, tokens from usage, latency figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from isolab.bench.http_bench import percentiles, run_http_bench
+from isolab.server import TenantRegistry
+
+
+def test_percentiles():
+    assert percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    p = percentiles([float(x) for x in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p90"] == pytest.approx(90.1) and p["mean"] == pytest.approx(50.5)
+
+
+def test_run_http_bench_counts_every_token(server_factory, tiny_bundle):
+    srv = server_factory(tiny_bundle, tenants=TenantRegistry({"sk-b": "bench"}))
+    prompts = [f"prompt {i}" for i in range(6)]
+    r = run_http_bench(srv.url + "/v1", "sk-b", None, prompts, [8, 8, 8, 5, 5, 5], 3)
+    assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == []
+    assert r["output_tokens"] == 39 and r["tokens_counted_from"] == "usage"
+    assert r["model"] == srv.model and r["output_tokens_per_s"] > 0
+    assert r["ttft_s"]["p50"] is not None and r["e2e_s"]["p99"] >= r["ttft_s"]["p99"]
+    bad = run_http_bench(srv.url, "sk-wrong", srv.model, prompts[:2], [4, 4], 2)
+    assert bad["completed"] == 0 and bad["failed"] == 2 and "HTTP 401" in bad["errors"][0]
