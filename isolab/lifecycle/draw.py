@@ -17,7 +17,7 @@ import html
 import io
 from pathlib import Path
 
-from isolab.lifecycle.trace import Trace
+from isolab.lifecycle.trace import Life, Trace
 
 FREED, EVICTED, POISON, VIOLATION, IDLE = "black", "#e67e00", "#7b2cbf", "#d00000", "#b0b0b0"
 
@@ -32,6 +32,20 @@ def _colours(trace: Trace) -> dict[str, tuple]:
                 names.append(h.holder)
     cmap = matplotlib.colormaps["tab20"]
     return {n: cmap(i % 20) for i, n in enumerate(names)}
+
+
+def _idle_gaps(life: Life, end: int) -> list[tuple[int, int]]:
+    """(start, width) spans where a sealed life had no holder: kept only for prefix-cache hits."""
+    stop = life.end if life.end is not None else end
+    spans = sorted((h.start, h.end if h.end is not None else end) for h in life.holds)
+    gaps, t = [], life.start
+    for a, b in spans:
+        if a > t:
+            gaps.append((t, a - t))
+        t = max(t, b)
+    if stop > t:
+        gaps.append((t, stop - t))
+    return gaps
 
 
 def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
@@ -55,24 +69,27 @@ def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
                 ax.broken_barh([span], (y - 0.05, 0.42), facecolors=[(*c[:3], 0.55)], edgecolor=c, hatch="////", linewidth=0.6)
             else:
                 ax.broken_barh([span], (y - 0.38, 0.76), facecolors=[c], edgecolor="white", linewidth=0.4)
-        if life.idle_since is not None or life.end_kind == "evicted":
-            idle_from = max((h.end for h in life.holds if h.end is not None), default=None)
-            idle_to = life.end if life.end is not None else end
-            if idle_from is not None and life.sealed_at is not None and idle_to > idle_from:
-                ax.broken_barh([(idle_from, idle_to - idle_from)], (y - 0.08, 0.16), facecolors=[IDLE])
+        if life.sealed_at is not None:
+            for gap in _idle_gaps(life, end):
+                ax.broken_barh([gap], (y - 0.08, 0.16), facecolors=[IDLE])
         if life.sealed_at is not None:
             ax.plot([life.sealed_at + 0.5], [y - 0.25], marker="s", ms=2.5, color="white", mec="black", mew=0.4, ls="")
         if life.end_kind == "freed":
             ax.plot([life.end], [y], marker="|", ms=11, mew=1.6, color=FREED, ls="")
         elif life.end_kind == "evicted":
             ax.plot([life.end], [y], marker="v", ms=7, color=EVICTED, mec="black", mew=0.4, ls="")
+    seen: dict[tuple[int, int], int] = {}
     for m in trace.marks:
         y = row[m["block"]]
         if m["event"] == "poisoned":
             ax.plot([m["step"] + 0.15], [y + 0.3], marker="o", ms=3, color=POISON, ls="")
         else:
             ax.plot([m["step"]], [y], marker="X", ms=14, color=VIOLATION, mec="white", mew=0.8, ls="", zorder=5)
-            ax.annotate(f"{m['request']} \u2190 {m.get('writer') or 'nobody'}", (m["step"], y), xytext=(8, 8),
+            k = seen[(m["step"], m["block"])] = seen.get((m["step"], m["block"]), -1) + 1  # stack labels on one spot
+            who, writer = m["request"], m.get("writer") or "nobody"
+            label = f"{who} writes it while shared" if who == writer else f"{who} \u2190 {writer}"  # reader <- writer
+            left = m["step"] > 0.6 * end  # keep the label inside the axes
+            ax.annotate(label, (m["step"], y), xytext=(-12 if left else 10, 8 - 15 * k), ha="right" if left else "left",
                         textcoords="offset points", color=VIOLATION, fontsize=9, fontweight="bold",
                         bbox=dict(boxstyle="round,pad=0.2", fc="white", ec=VIOLATION, lw=0.8), zorder=6)
     ax.set_yticks(range(len(blocks)), [str(b) for b in blocks], fontsize=7)
@@ -82,7 +99,7 @@ def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
     ax.set_xlabel("engine step")
     ax.set_ylabel("block id")
     ax.grid(axis="x", alpha=0.25)
-    ax.set_title(title or f"KV block lifecycle: {len(trace.lives)} block lives, {len(trace.violations)} audit violations", fontsize=11)
+    ax.set_title(title or f"KV block lifecycle: {len(trace.lives)} block lives, {len(trace.violations)} audit violations", fontsize=9, loc="left")
     owners = [Patch(facecolor=c, label=n) for n, c in list(colours.items())[:24]]
     keys = [
         Patch(facecolor="white", edgecolor="black", hatch="////", label="shared (cache hit)"),
