@@ -1,0 +1,45 @@
+"""Fixtures for the probe suite: an isolab server (uvicorn on 127.0.0.1, a free port, a thread)
+around an engine with chosen faults, on the tiny model unless a test asks for the real one."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from isolab.config import MiB, CacheConfig, EngineConfig, SchedulerConfig
+from isolab.engine.llm_engine import LLMEngine
+from isolab.server import ServerConfig, TenantRegistry, create_app
+
+KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+
+
+@contextmanager
+def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int = 64 * MiB,
+                  keys: dict[str, str] | None = KEYS) -> Iterator[str]:
+    """Yields the server's base URL (http://127.0.0.1:PORT); stops it on exit."""
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(16, kv_cache_memory, True), scheduler=SchedulerConfig(64, 512),
+                                    device="cpu", inject_faults=frozenset(faults)), bundle=bundle)
+    tenants = TenantRegistry(keys) if keys else TenantRegistry({}, anonymous=True)
+    app = create_app(engine, tenants, ServerConfig())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.close()
