@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KEY_PAD = 16  # attention always sees a multiple of 16 keys (see attention_core)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,13 @@ def attention_core(
 ) -> torch.Tensor:  # (B, T, H, Dh)
     B, T, H, Dh = q.shape
     S, Hkv = k.shape[1], k.shape[2]
+    if S % KEY_PAD:
+        # bf16 GEMM rounds differently when the key count is not a multiple of 16; the paged
+        # pool always hands over whole blocks, so pad here too and every caller agrees.
+        pad = KEY_PAD - S % KEY_PAD
+        k = F.pad(k, (0, 0, 0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, 0, 0, pad))
+        S += pad
     G = H // Hkv
     # Grouped-query attention without copying K/V: fold each KV head's G query heads into rows.
     qg = q.view(B, T, Hkv, G, Dh).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, Dh)
