@@ -116,8 +116,8 @@ class ProbeClient:
 
     async def complete(self, prompt: str, who: Identity, *, max_tokens: int = 16, temperature: float = 0.0,
                        seed: int | None = None, stream: bool = False, tags: tuple[str, ...] = (),
-                       on_first: Callable[[], None] | None = None) -> Completion:
-        """One completion; `on_first` (streams only) is called when the first text arrives."""
+                       on_progress: Callable[[int], None] | None = None) -> Completion:
+        """One completion; `on_progress(n)` (streams only) is called with the number of tokens so far."""
         for _ in range(5):  # at most one retry per dropped field
             body = self._body(prompt, who, max_tokens, temperature, seed, stream)
             rec = Completion(prompt, tenant=who.label, seed=seed, temperature=temperature, tags=list(tags))
@@ -126,7 +126,7 @@ class ProbeClient:
             self.num_requests += 1
             try:
                 if stream:
-                    status, text = await self._stream(body, who, rec, start, on_first)
+                    status, text = await self._stream(body, who, rec, start, on_progress)
                 else:
                     r = await self.http.post(self.base_v1 + "/completions", json=body, headers=self._headers(who))
                     status, text = r.status_code, r.text
@@ -145,8 +145,9 @@ class ProbeClient:
         return rec
 
     async def _stream(self, body: dict[str, Any], who: Identity, rec: Completion, start: float,
-                      on_first: Callable[[], None] | None) -> tuple[int, str]:
+                      on_progress: Callable[[int], None] | None) -> tuple[int, str]:
         parts: list[dict[str, Any]] = []
+        num_tokens = 0
         async with self.http.stream("POST", self.base_v1 + "/completions", json=body, headers=self._headers(who)) as r:
             if r.status_code != 200:
                 return r.status_code, (await r.aread()).decode("utf-8", "replace")
@@ -157,11 +158,14 @@ class ProbeClient:
                 if payload == "[DONE]":
                     break
                 chunk = json.loads(payload)
-                if chunk.get("choices") and chunk["choices"][0].get("text") and rec.ttft_s is None:
+                text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+                if text and rec.ttft_s is None:
                     rec.ttft_s = time.monotonic() - start
-                    if on_first is not None:
-                        on_first()
                 parts.append(chunk)
+                if text and on_progress is not None:
+                    lp = chunk["choices"][0].get("logprobs") or {}
+                    num_tokens += len(lp.get("tokens") or ()) or len(text)
+                    on_progress(num_tokens)
         merged: dict[str, Any] = {"choices": [{"text": "", "logprobs": None, "finish_reason": None}]}
         choice = merged["choices"][0]
         for chunk in parts:

@@ -146,9 +146,10 @@ async def prefix_cache(ctx: Context) -> Verdict:
     doc, canary = w.secret(8)
     cuts = [cut for cut in (len(doc) // 4, len(doc) // 2, len(doc)) for _ in range(2)]
     prompts = [doc[:cut] + suffix for cut, suffix in zip(cuts, (" First,", " Second,") * 3, strict=True)]
-    refs = [await ctx.cold(p) for p in prompts]
-    first = [await ctx.send(p, tags=("warm",)) for p in prompts]
-    second = [await ctx.send(p, tags=("warm",)) for p in prompts]
+    short = max(4, ctx.sizes.max_tokens // 2)  # a wrong prefix shows in the first tokens
+    refs = await ctx.gather([ctx.cold(p, max_tokens=short) for p in prompts])  # each under its own salt
+    first = [await ctx.send(p, tags=("warm",), max_tokens=short) for p in prompts]
+    second = await ctx.gather([ctx.send(p, tags=("warm",), max_tokens=short) for p in prompts])
     comps = [compare(r, x, canaries=w.canaries, th=ctx.th, label=f"{cut}-character shared prefix, warm run {k}")
              for k, runs in ((1, first), (2, second)) for cut, r, x in zip(cuts, refs, runs, strict=True)]
     v = judge_comparisons("cold vs warm", comps, "cold/warm pairs")
@@ -159,16 +160,16 @@ async def prefix_cache(ctx: Context) -> Verdict:
     parts.append(v)
 
     # b. Different prompts of equal length, and c. prompts one character apart inside the first block.
-    #    Order per pair: reference of Y, X, Y.
+    #    Order: every Y's reference, then per pair X (one token: it only fills the cache), then Y.
     pairs = [w.same_length_pair(2 + i) for i in range(2)]
     for pos in (12, 40):
         x, c = w.secret(3)
         pairs.append(((x, c), (w.one_char_off(x, pos), c)))
     comps = []
-    for i, ((x, _), (y, _)) in enumerate(pairs):
-        ref = await ctx.cold(y)
-        await ctx.send(x, tags=("pair-first",))
-        got = await ctx.send(y, tags=("pair-second",))
+    pair_refs = await ctx.gather([ctx.cold(y, max_tokens=short) for _, (y, _) in pairs])
+    for i, (((x, _), (y, _)), ref) in enumerate(zip(pairs, pair_refs, strict=True)):
+        await ctx.send(x, tags=("pair-first",), max_tokens=1)
+        got = await ctx.send(y, tags=("pair-second",), max_tokens=short)
         kind = "equal length" if i < 2 else "one character apart"
         comps.append(compare(ref, got, canaries=w.canaries, th=ctx.th, label=f"{kind} pair {i}: second prompt cold vs after the first"))
     parts.append(judge_comparisons("similar prompts", comps, "pairs"))
@@ -178,17 +179,28 @@ async def prefix_cache(ctx: Context) -> Verdict:
     for i in range(0, len(novel), 16):
         await ctx.gather([ctx.send(p, tags=("novel",), max_tokens=1) for p in novel[i : i + 16]])
 
-    # e. A prompt that extends another request's prompt while that request still decodes.
+    # e. A prompt that extends another request's prompt while that request still decodes: Y is X,
+    #    then the next k tokens X will generate (known from X's reference run), then other text, so
+    #    the block X is writing is a prefix of Y's. Y goes out as soon as X has streamed m tokens,
+    #    with k = m + a few (X must not be past k when Y arrives), under two offsets.
     comps = []
-    for _ in range(2):
+    for offset in (3, 6):
         x, _c = w.secret(3)
-        y = x + " " + w.filler(1)
-        ref_x, ref_y = await ctx.cold(x, max_tokens=2 * ctx.sizes.max_tokens), await ctx.cold(y)
+        ref_x = await ctx.cold(x, max_tokens=2 * ctx.sizes.max_tokens)
+        ref_units = ref_x.units()
+        seen: list[int] = []
         started = asyncio.Event()
+
+        def progress(n: int, seen: list[int] = seen, started: asyncio.Event = started) -> None:
+            seen.append(n)
+            started.set()
+
         job = asyncio.ensure_future(ctx.client.complete(x, ctx.a, max_tokens=2 * ctx.sizes.max_tokens, stream=True,
-                                                        tags=("extended",), on_first=started.set))
+                                                        tags=("extended",), on_progress=progress))
         await _first_token(started, job)
+        y = x + "".join(ref_units[: (seen[0] if seen else 0) + offset]) + " " + w.filler(1)
         got_y = await ctx.send(y, tags=("extension",))
+        ref_y = await ctx.cold(y)
         got_x = await job
         ctx.records.append(got_x)
         ctx.on_request()
@@ -210,7 +222,7 @@ async def reuse(ctx: Context) -> Verdict:
     ref = await ctx.send(short, tags=("short-ref",))
     comps = []
     for i in range(3):
-        long_rec = await ctx.send(w.secret(4 + i)[0], tags=("long",))
+        long_rec = await ctx.send(w.secret(4 + i)[0], tags=("long",), max_tokens=4)
         got = await ctx.send(short, tags=("short",))
         comps.append(compare(ref, got, canaries=w.canaries, th=ctx.th, label=f"short prompt after canary prompt {i}"))
         if leak := foreign_canaries(long_rec, w.canaries):
@@ -218,15 +230,15 @@ async def reuse(ctx: Context) -> Verdict:
     parts.append(judge_comparisons("sequential reuse", comps, "runs"))
 
     # b. Evict and re-hit: A cached; a flood of short prompts that decode long (each writing into
-    #    fresh tail blocks); A asked again every 150 ms while the flood runs.
+    #    fresh tail blocks); A asked again, one after another, while the flood runs.
     a, _ = w.secret(1)
-    a_ref = await ctx.send(a, tags=("evict-ref",))
+    a_ref = await ctx.send(a, tags=("evict-ref",), max_tokens=max(4, n.max_tokens // 2))
     flood = [ctx.send(w.plain(0), tags=("pressure",), max_tokens=3 * n.max_tokens, stream=True) for _ in range(n.flood)]
     flood_job = asyncio.ensure_future(asyncio.gather(*flood))
     reruns = []
-    for _ in range(8):
-        await asyncio.sleep(0.15)
-        reruns.append(await ctx.send(a, tags=("evict-rerun",)))
+    for _ in range(12):
+        await asyncio.sleep(0.1)
+        reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))
         if flood_job.done():
             break
     await flood_job
@@ -251,9 +263,9 @@ async def _tenant_pair(ctx: Context, a: Identity, b: Identity, how: str) -> list
     out = []
     for n_sentences in (3, 8):
         p, _ = ctx.work.secret(n_sentences)
-        cold = await ctx.send(p, a, tags=("tenant-owner",))
-        warm = await ctx.send(p, a, tags=("tenant-owner",))
-        other = await ctx.send(p, b, tags=("tenant-other",))
+        cold = await ctx.send(p, a, tags=("tenant-owner",), max_tokens=4)
+        warm = await ctx.send(p, a, tags=("tenant-owner",), max_tokens=4)
+        other = await ctx.send(p, b, tags=("tenant-other",), max_tokens=4)
         out.append(judge_tenants(cold, warm, [other], ctx.th, how=how))
     return out
 
@@ -310,7 +322,7 @@ async def monitoring(ctx: Context) -> Verdict:
     p, c = ctx.work.secret(4)
     started = asyncio.Event()
     job = asyncio.ensure_future(ctx.client.complete(p, ctx.a, max_tokens=2 * ctx.sizes.max_tokens, stream=True,
-                                                    tags=("monitored",), on_first=started.set))
+                                                    tags=("monitored",), on_progress=lambda n: started.set()))
     await _first_token(started, job)
     during = [(path, *(await ctx.client.get_raw(path))) for path in MONITOR_PATHS]
     ctx.records.append(await job)

@@ -246,8 +246,10 @@ def judge_seeded(alone: Sequence[tuple[Completion, Completion]], loaded: Sequenc
         return Verdict(name, Status.INCONCLUSIVE, "a seeded request failed")
     unstable = [a for a, b in alone if a.text != b.text]
     if unstable:
-        return Verdict(name, Status.INCONCLUSIVE, f"{len(unstable)} of {len(alone)} seeded prompts differ even when run "
-                       "alone twice: the server does not honour seed", [])
+        return Verdict(name, Status.FAIL, f"{len(unstable)} of {len(alone)} seeded requests differ even when run alone "
+                       "twice: the seed is ignored, or one random stream serves every request (so each request's "
+                       "draws depend on the others')", [f"seed {a.seed}: {a.text[:30]!r} vs {b.text[:30]!r}"
+                                                        for a, b in alone if a.text != b.text], {"num_unstable": len(unstable)})
     diffs = []
     for (a, _), c in zip(alone, loaded, strict=True):
         pos = first_divergence(a.units(), c.units())
