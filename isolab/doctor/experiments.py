@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from isolab.doctor.symptoms import Check, Result, Symptom, cross_scope_hits, find_symptoms
+from isolab.doctor.symptoms import Check, Result, Symptom, foreign_hits, find_symptoms
 from isolab.doctor.verdict import Findings, RunRecord
 from isolab.doctor.workload import Item
 
@@ -55,7 +55,8 @@ class EngineTarget:
         faults = ",".join(self.kwargs.get("inject_faults", ())) or "none"
         self.name = f"isolab engine ({self.bundle.name}, faults: {faults}, audit: {self.kwargs.get('audit', False)})"  # type: ignore[attr-defined]
 
-    def _engine(self, prefix_cache: bool, kv_bytes: int | None = None, trace: str | None = None):  # noqa: ANN202
+    def new_engine(self, prefix_cache: bool, kv_bytes: int | None = None, trace: str | None = None):  # noqa: ANN202
+        """A fresh LLMEngine on the shared weights; kv_bytes caps the pool, trace turns the trace on."""
         from isolab.llm import LLM
 
         kw = dict(self.kwargs, enable_prefix_caching=prefix_cache and self.kwargs.get("enable_prefix_caching", True), trace_path=trace)
@@ -81,14 +82,14 @@ class EngineTarget:
         bs = self.kwargs.get("block_size", 16)
         need = -(-(len(item.prompt) + item.max_tokens) // bs) + 2
         per_block = bytes_per_block(self.bundle.hparams, bs, self.bundle.model.dtype)  # type: ignore[attr-defined]
-        eng = self._engine(True, per_block * need)  # a pool sized for one request: same outputs, less to set up
+        eng = self.new_engine(True, per_block * need)  # a pool sized for one request: same outputs, less to set up
         (_, res), = drive(eng, [item], 1)
         eng.close()
         return res
 
     def together(self, items: Sequence[Item], concurrency: int, prefix_cache: bool) -> tuple[list[tuple[Item, Result]], dict]:
         trace, self.trace_path = self.trace_path, None
-        eng = self._engine(prefix_cache, trace=trace)
+        eng = self.new_engine(prefix_cache, trace=trace)
         out = drive(eng, items, concurrency)
         stats = eng.stats()
         eng.close()
@@ -154,10 +155,11 @@ def diagnose(
         admitted, stats = target.together(its, c, cache)
         res = {it.item_id: r for it, r in admitted}
         sym = find_symptoms(its, res, rf, exact=exact, tie_margin=tie_margin, checks=chk)
-        sym += cross_scope_hits(admitted, history)
+        sym += foreign_hits(admitted, history)
         return RunRecord(f"together c={c}", content, c, cache, len(its), sym, stats)
 
     top = max(concurrencies)
+    # The top concurrency runs first, so that a --trace in the engine args records it.
     sweep = [together(items, refs, c, True, "original", checks) for c in sorted(concurrencies, reverse=True)][::-1]
     var_items = target.variant(items, variant_seed)
     log("variant: same lengths, other content, alone")

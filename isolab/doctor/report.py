@@ -8,18 +8,23 @@ from pathlib import Path
 from isolab.doctor.experiments import symptoms_by_kind
 from isolab.doctor.verdict import Findings, Verdict, to_json
 
+_SHORT = {"prefix_cache_hits_tokens": "hit tokens", "evictions": "evictions", "preemptions": "preemptions",
+          "audit_violations": "audit violations", "cached_tokens": "cached tokens"}
+
 
 def print_report(f: Findings, v: Verdict) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     runs = Table(title=f"isolab doctor: {f.target}")
     for col in ("run", "content", "prefix cache", "symptomatic", "kinds", "engine counters"):
         runs.add_column(col)
     for r in [f.alone, *f.sweep, f.variant, *f.nocache]:
         kinds = ", ".join(f"{k} {n}" for k, n in symptoms_by_kind(r.symptoms).items()) or "-"
-        stats = ", ".join(f"{k} {n}" for k, n in r.stats.items() if n) or "-"
+        stats = ", ".join(f"{_SHORT.get(k, k)} {n}" for k, n in r.stats.items() if n and k != "steps") or "-"
         runs.add_row(r.label, r.content, "on" if r.prefix_cache else "off", f"{r.num_symptomatic}/{r.num_items}", kinds, stats)
     console.print(runs)
     qs = Table(title="the four questions (seed, section 5.1)")

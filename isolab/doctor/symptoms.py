@@ -7,9 +7,9 @@ Kinds:
                solo run's top two were within `tie_margin` nats is a near-tie, not a symptom)
   check        the user's check (a regex the text must match, or python:module:function) failed
   error        the request failed (e.g. audit mode caught an isolation violation)
-  cross-scope  the request was served more cached prompt tokens than any earlier request of its
-               own scope could have given it: another scope's blocks (units: tokens, or characters
-               for a server, an upper bound for ASCII text)
+  foreign-hit  the request was served more cached prompt tokens than any earlier request of its
+               own scope shares with it: another scope's blocks, or blocks of other content
+               (units: tokens, or characters for a server, an upper bound for ASCII text)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Result:
 @dataclass(frozen=True)
 class Symptom:
     item_id: str
-    kind: str  # differs | check | error | cross-scope
+    kind: str  # differs | check | error | foreign-hit
     detail: str
 
 
@@ -94,7 +94,7 @@ def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return n
 
 
-def cross_scope_hits(
+def foreign_hits(
     admitted: Sequence[tuple[Item, Result]], history: Sequence[tuple[Item, Result]] = ()
 ) -> list[Symptom]:
     """Hits larger than anything the request's own scope computed before it (admission order)."""
@@ -102,15 +102,19 @@ def cross_scope_hits(
     seen: list[tuple[Item, Result]] = list(history)
     for item, res in admitted:
         if res.cached_tokens > 0:
-            allowed = 0
+            own = other = 0
             for prev, pres in seen:
+                before = prev.prompt + (pres.tokens if isinstance(prev.prompt, tuple) else pres.text)  # type: ignore[operator]
+                n = _common_prefix(item.prompt, before)
                 if prev.scope == item.scope:
-                    before = prev.prompt + (pres.tokens if isinstance(prev.prompt, tuple) else pres.text)  # type: ignore[operator]
-                    allowed = max(allowed, _common_prefix(item.prompt, before))
-            if res.cached_tokens > allowed:
-                out.append(Symptom(item.item_id, "cross-scope", (
-                    f"scope {item.scope!r} was served {res.cached_tokens} cached tokens; its own scope "
-                    f"computed at most {allowed} of them")))
+                    own = max(own, n)
+                else:
+                    other = max(other, n)
+            if res.cached_tokens > own:
+                whose = "another scope's blocks" if res.cached_tokens <= other else "blocks of other content"
+                out.append(Symptom(item.item_id, "foreign-hit", (
+                    f"scope {item.scope!r} was served {res.cached_tokens} cached tokens; earlier requests of its "
+                    f"scope share at most {own} with it: {whose}")))
         seen.append((item, res))
     return out
 

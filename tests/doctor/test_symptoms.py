@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from isolab.doctor.symptoms import Result, compare, cross_scope_hits, find_symptoms, parse_check
+from isolab.doctor.symptoms import Result, compare, foreign_hits, find_symptoms, parse_check
 from isolab.doctor.workload import Item, builtin_workload, token_variant, word_variant
 from isolab.errors import InvalidRequestError
 
@@ -41,10 +41,11 @@ def test_cross_scope_hit_counts_only_foreign_blocks():
     a = Item("a1", (1, 2, 3, 4), scope="a")
     b = Item("b1", (1, 2, 3, 4), scope="b")
     a2 = Item("a2", (1, 2, 3, 9), scope="a")
-    ok = cross_scope_hits([(a, res([7], rid="a1")), (a2, res([7], cached=3, rid="a2"))])
+    ok = foreign_hits([(a, res([7], rid="a1")), (a2, res([7], cached=3, rid="a2"))])
     assert ok == []
-    bad = cross_scope_hits([(a, res([7], rid="a1")), (b, res([7], cached=3, rid="b1"))])
-    assert [s.item_id for s in bad] == ["b1"] and bad[0].kind == "cross-scope"
+    bad = foreign_hits([(a, res([7], rid="a1")), (b, res([7], cached=3, rid="b1"))])
+    assert [s.item_id for s in bad] == ["b1"] and bad[0].kind == "foreign-hit"
+    assert "another scope" in bad[0].detail
 
 
 def test_variants_keep_shapes_and_sharing():

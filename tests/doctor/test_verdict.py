@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from isolab.doctor.symptoms import Symptom
 from isolab.doctor.verdict import (
-    CACHE_ISOLATION, NA, NO, NO_SYMPTOM, SHARED_NOT_CACHE, SHARED_STATE, SOMETHING_ELSE, YES, Findings, RunRecord, judge,
+    CACHE_ISOLATION,
+    NA,
+    NO,
+    NO_SYMPTOM,
+    SHARED_NOT_CACHE,
+    SHARED_STATE,
+    SOMETHING_ELSE,
+    Findings,
+    RunRecord,
+    judge,
 )
 
 N = 10

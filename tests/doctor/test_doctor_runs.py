@@ -1,0 +1,66 @@
+"""The doctor end to end: an isolab engine in process (healthy, a cache fault, shared-rng) and a
+mocked OpenAI server (healthy, and one whose prompt cache answers for the wrong prompt)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from isolab.cli import main
+from isolab.doctor.experiments import diagnose
+from isolab.doctor.http_target import HttpTarget
+from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, SHARED_NOT_CACHE, judge
+from isolab.doctor.workload import builtin_workload
+
+
+@pytest.mark.parametrize("fault,verdict,fired", [
+    (None, NO_SYMPTOM, set()),
+    ("coarse-key", CACHE_ISOLATION, {"a", "d"}),
+    ("shared-rng", SHARED_NOT_CACHE, {"a"}),
+])
+def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
+    out = tmp_path / "d.json"
+    engine_args = f"--model {tiny_path} --device cpu --kv-cache-memory 128KiB" + (f" --inject-fault {fault}" if fault else "")
+    rc = main(["doctor", "--engine-args", engine_args, "--concurrency", "1,4", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["verdict"] == verdict, data["answers"]
+    assert fired <= set(data["fired"])
+    assert rc == (0 if fault is None else 1)
+    if fault == "shared-rng":  # only the seeded sampling requests are hurt
+        ids = {s["item_id"] for r in data["runs"]["sweep"] for s in r["symptoms"]}
+        seeded = {it.item_id for it in builtin_workload() if it.seed is not None}
+        assert ids and ids <= seeded
+
+
+def test_bad_engine_args_is_one_sentence(capsys):
+    assert main(["doctor", "--engine-args=--no-such-flag"]) == 2
+    assert "unknown engine flags --no-such-flag" in capsys.readouterr().err
+
+
+def _mock_server(buggy: bool) -> httpx.MockTransport:
+    """A deterministic server; when buggy, its prompt cache keys on the prompt's length only."""
+    cache: dict[int, str] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "mock"}]})
+        body = json.loads(request.content)
+        prompt = body["prompt"]
+        answer = "".join(reversed(prompt))[: body["max_tokens"]]
+        if buggy and body.get("cache_prompt", True):
+            answer = cache.setdefault(len(prompt), answer)
+        toks = list(answer)
+        lp = {"tokens": toks, "token_logprobs": [-0.1] * len(toks), "top_logprobs": [{t: -0.1, "#": -5.0} for t in toks]}
+        return httpx.Response(200, json={"choices": [{"text": answer, "logprobs": lp}],
+                                         "usage": {"prompt_tokens_details": {"cached_tokens": 0}}})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("buggy,verdict", [(False, NO_SYMPTOM), (True, CACHE_ISOLATION)])
+def test_server_doctor_on_a_mock(buggy, verdict):
+    target = HttpTarget("http://mock", no_cache={"cache_prompt": False}, stagger_s=0, transport=_mock_server(buggy))
+    f = diagnose(target, builtin_workload(), concurrencies=(1, 4))
+    assert judge(f).verdict == verdict
