@@ -1,0 +1,109 @@
+"""Sampling (greedy, temperature, top-k, top-p, seeds, stops, logprobs) and the engine's hard edges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isolab import LLM, InvalidRequestError, PromptTooLongError, SamplingParams
+from isolab.engine.request import Request
+from isolab.engine.sampler import _filter, sample
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_bundle):
+    return LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("seed", -1), ("logprobs", 99), ("stop", ("",)),
+])
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(llm):
+    p = lambda s: SamplingParams(max_tokens=16, temperature=1.5, seed=s, ignore_eos=True)  # noqa: E731
+    a, b, c = (llm.generate("the cat", p(s))[0].token_ids for s in (5, 5, 6))
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate("the", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    topk1 = llm.generate("the", SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=3, ignore_eos=True))[0].token_ids
+    assert greedy == topk1
+
+
+def test_filter_top_p_keeps_smallest_set():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(_filter(logits, 0, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(_filter(logits, 2, 1.0))
+    assert kept.tolist() == [True, True, False, False]
+
+
+def test_logprobs_are_the_model_distribution(tiny_bundle):
+    r = Request("x", [1], SamplingParams(temperature=0.0, logprobs=3), None, 0)
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    [(tok, lp)] = sample(logits, [r])
+    ref = torch.log_softmax(logits[0], -1)
+    assert tok == 1 and lp.logprob == pytest.approx(float(ref[1]))
+    assert [t for t, _ in lp.top] == [1, 2, 0]
+
+
+def test_stop_strings_and_tokens(llm):
+    free = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert len(free.token_ids) == 20
+    stop_tok = free.token_ids[3]
+    out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok and len(out.token_ids) == free.token_ids.index(stop_tok) + 1
+    piece = free.text[len(free.text) // 2 :][:2]
+    if piece.strip():
+        out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, stop=(piece,), ignore_eos=True))[0]
+        assert out.finish_reason == "stop"
+
+
+def test_bad_prompts_are_rejected_with_a_sentence(llm):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.engine.add_request("e", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm.generate([10**9], SamplingParams())
+    with pytest.raises(PromptTooLongError, match="context"):
+        llm.generate([5] * 600, SamplingParams(max_tokens=4))
+
+
+def test_prompt_that_can_never_fit_the_cache_is_rejected_at_admission(tiny_bundle):
+    small = LLM(bundle=tiny_bundle, kv_cache_memory=4 * 16 * 2 * 2 * 2 * 8 * 2 * 4)  # a handful of blocks
+    with pytest.raises(PromptTooLongError, match="can never fit"):
+        small.generate([5] * 300, SamplingParams(max_tokens=8))
+    assert small.engine.kv.num_held_blocks() == 0 and not small.engine.has_unfinished()
+
+
+def test_cancellation_frees_blocks_at_once(llm):
+    eng = llm.engine
+    free_before = eng.pool.num_free_blocks
+    eng.add_request("c1", [5] * 40, SamplingParams(max_tokens=50))
+    eng.step()
+    assert eng.kv.num_held_blocks() > 0
+    assert eng.abort("c1")
+    assert eng.kv.num_held_blocks() == 0 and eng.pool.num_free_blocks == free_before
+    assert not eng.abort("c1")
+
+
+def test_num_cached_tokens_reported(llm):
+    prompt = list(range(10, 60))
+    first = llm.generate(prompt, SamplingParams(max_tokens=2))[0]
+    second = llm.generate(prompt, SamplingParams(max_tokens=2))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 48
+    scoped = llm.generate(prompt, SamplingParams(max_tokens=2), cache_scope="other")[0]
+    assert scoped.num_cached_tokens == 0
+
+
+def test_chat_uses_the_gguf_template(llm):
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user\nhi<|im_end|>")
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3))[0].token_ids

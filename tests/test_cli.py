@@ -1,0 +1,49 @@
+"""The CLI as a user types it: text on stdout, one sentence and a non-zero exit on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+
+def isolab(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_commands():
+    out = isolab("--help")
+    assert out.returncode == 0
+    for cmd in ("generate", "selftest", "race"):
+        assert cmd in out.stdout
+
+
+def test_generate_streams_text(tiny_path):
+    out = isolab("generate", "the cat", "--model", str(tiny_path), "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "8 tokens" in out.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+    (["generate", "   ", "--model", "TINY"], "prompt is empty"),
+    (["generate", "hi", "--model", "TINY", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--model", "TINY", "--max-tokens", "100000"], "context"),
+    (["generate", "hi", "--model", "MAMBA"], "architecture 'mamba' is not supported"),
+])
+def test_bad_input_gets_one_sentence(tmp_path, tiny_path, args, needle):
+    mamba = write_tiny_llama(tmp_path / "mamba.gguf", TinySpec(arch="mamba"))
+    args = [str(tiny_path) if a == "TINY" else str(mamba) if a == "MAMBA" else a for a in args]
+    out = isolab(*args)
+    assert out.returncode == 2
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_fault_is_refused(tiny_path):
+    out = isolab("generate", "hi", "--model", str(tiny_path), "--inject-fault", "nope")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
