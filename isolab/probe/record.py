@@ -6,6 +6,7 @@ verdict can be re-derived from a saved report and unit-tested on recorded respon
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -49,4 +50,4 @@ class Completion:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Completion:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: copy.deepcopy(v) for k, v in data.items() if k in known})

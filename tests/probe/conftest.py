@@ -6,9 +6,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
+import pytest
 import uvicorn
 
 from isolab.config import MiB, CacheConfig, EngineConfig, SchedulerConfig
@@ -20,8 +22,8 @@ KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 
 @contextmanager
 def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int = 64 * MiB,
-                  keys: dict[str, str] | None = KEYS) -> Iterator[str]:
-    """Yields the server's base URL (http://127.0.0.1:PORT); stops it on exit."""
+                  keys: dict[str, str] | None = KEYS, wrap: Callable[[Any], Any] | None = None) -> Iterator[str]:
+    """Yields the server's base URL (http://127.0.0.1:PORT); stops it on exit. `wrap` wraps the ASGI app."""
     engine = LLMEngine(EngineConfig(cache=CacheConfig(16, kv_cache_memory, True), scheduler=SchedulerConfig(64, 512),
                                     device="cpu", inject_faults=frozenset(faults)), bundle=bundle)
     tenants = TenantRegistry(keys) if keys else TenantRegistry({}, anonymous=True)
@@ -29,7 +31,8 @@ def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(wrap(app) if wrap else app, log_level="warning", access_log=False,
+                                           lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -43,3 +46,13 @@ def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int 
         server.should_exit = True
         thread.join(30)
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def long_tiny_bundle(tmp_path_factory):
+    """The tiny model with a 4096-token context: its byte tokenizer makes the probe's prompts long."""
+    from isolab.models.bundle import load_bundle
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny4k.gguf", TinySpec(layers=2, seed=1, context=4096))
+    return load_bundle(str(path), "bf16", "cpu")
