@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -86,7 +86,7 @@ async def run_probe(cfg: ProbeConfig, *, on_request: Callable[[], None] = lambda
     work = Workload(cfg.seed)
     a, b, how, salt_pair = identities(cfg.api_keys, work.word(8))
     ctx = Context(client, cfg.thresholds, cfg.sizes, work, a, b, how, salt_pair, on_request=on_request)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
+    started, t0 = datetime.now(UTC).isoformat(timespec="seconds"), time.monotonic()
     durations: dict[str, float] = {}
     verdicts: list[Verdict] = []
     try:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from isolab.config import MiB, CacheConfig, EngineConfig, SchedulerConfig
+from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine.llm_engine import LLMEngine
 from isolab.server import ServerConfig, TenantRegistry, create_app
 
