@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from isolab.doctor.symptoms import Result, compare, foreign_hits, find_symptoms, parse_check
+from isolab.doctor.symptoms import Result, compare, find_symptoms, foreign_hits, parse_check
 from isolab.doctor.workload import Item, builtin_workload, token_variant, word_variant
 from isolab.errors import InvalidRequestError
 
