@@ -7,6 +7,7 @@ the owner at every step):
     solid bar         the writer holds the block (colour = the writing request)
     hatched band      another request holds it through a prefix-cache hit (colour = the reader)
     thin grey bar     sealed, no holder: kept in the cache for hits until evicted
+    small square      sealed: full and immutable from this step on
     |  freed   v  evicted (orange)   .  poisoned (purple)   X  audit violation (red, "reader <- writer")
 """
 
@@ -104,6 +105,7 @@ def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
     keys = [
         Patch(facecolor="white", edgecolor="black", hatch="////", label="shared (cache hit)"),
         Patch(facecolor=IDLE, label="cached, no holder"),
+        plt.Line2D([], [], marker="s", ms=3, color="white", mec="black", mew=0.5, ls="", label="sealed (full, read-only)"),
         plt.Line2D([], [], marker="|", ms=10, mew=1.6, color=FREED, ls="", label="freed"),
         plt.Line2D([], [], marker="v", color=EVICTED, ls="", label="evicted"),
         plt.Line2D([], [], marker="o", ms=4, color=POISON, ls="", label="poisoned (audit)"),
