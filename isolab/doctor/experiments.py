@@ -18,9 +18,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from isolab.doctor.symptoms import Check, Result, Symptom, foreign_hits, find_symptoms
+from isolab.doctor.symptoms import Check, Result, Symptom, find_symptoms, foreign_hits
 from isolab.doctor.verdict import Findings, RunRecord
 from isolab.doctor.workload import Item
+from isolab.errors import InvalidRequestError
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 
@@ -144,6 +145,9 @@ def diagnose(
     exact = target.exact
     log(f"alone: {len(items)} requests, each twice")
     refs = {it.item_id: target.alone(it) for it in items}
+    if all(r.error is not None for r in refs.values()):
+        first = next(iter(refs.values())).error
+        raise InvalidRequestError(f"every request failed even alone, e.g.: {first}", field="target")
     again = {it.item_id: target.alone(it) for it in items}
     alone_sym = find_symptoms(items, again, refs, exact=exact, tie_margin=tie_margin, checks=checks)
     alone_sym += [s for s in find_symptoms(items, refs, refs, exact=exact, checks=checks) if s.kind != "differs"]

@@ -14,6 +14,7 @@ from isolab.doctor.http_target import HttpTarget
 from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, SHARED_NOT_CACHE, judge
 from isolab.doctor.workload import builtin_workload
 from isolab.engine.faults import FAULTS
+from isolab.errors import InvalidRequestError
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +79,10 @@ def test_server_doctor_on_a_mock(buggy, verdict):
     target = HttpTarget("http://mock", no_cache={"cache_prompt": False}, stagger_s=0, transport=_mock_server(buggy))
     f = diagnose(target, builtin_workload(), concurrencies=(1, 4))
     assert judge(f).verdict == verdict
+
+
+def test_a_server_that_rejects_everything_is_one_sentence():
+    target = HttpTarget("http://mock", transport=httpx.MockTransport(lambda r: httpx.Response(
+        200, json={"data": [{"id": "m"}]}) if r.url.path.endswith("/models") else httpx.Response(400, text="no logprobs here")))
+    with pytest.raises(InvalidRequestError, match="every request failed even alone"):
+        diagnose(target, builtin_workload()[:3], concurrencies=(1,))

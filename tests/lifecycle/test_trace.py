@@ -103,3 +103,17 @@ def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path):
     page = write_html(trace, tmp_path / "f.html").read_text()
     assert "violation" in page and "data:image/png;base64," in page
     json.dumps(completeness(trace))
+
+
+def test_lifecycle_cli(tiny_bundle, tmp_path, capsys):
+    from isolab.cli import main
+    from isolab.lifecycle.demo import run_traced
+
+    trace = tmp_path / "t.jsonl"
+    assert run_traced(tiny_bundle, trace) == []
+    assert main(["lifecycle", str(trace), "--out", str(tmp_path / "t.png")]) == 0
+    assert "0 audit violations" in capsys.readouterr().out and (tmp_path / "t.png").exists()
+    assert main(["lifecycle", str(trace), "--out", str(tmp_path / "t.txt")]) == 2
+    (tmp_path / "bad.jsonl").write_text('{"step": 1}\n')
+    assert main(["lifecycle", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "b.png")]) == 2
+    assert "not a block event" in capsys.readouterr().err
