@@ -10,11 +10,12 @@ from isolab.engine.faults import FAULTS
 # fault -> (the scenario that fails, or None when invisible from outside; how it shows / why not)
 FAULT_VISIBILITY: dict[str, tuple[str | None, str]] = {
     "reuse-without-invalidate": (
-        "reuse",
-        "only under KV-cache pressure: a cached block must be evicted and handed to a request that is still "
-        "writing it when the prefix is asked for again. The probe's flood creates that pressure only on a "
-        "server with a small KV pool (e.g. --kv-cache-memory 2MiB); on a large pool nothing is evicted during "
-        "the run, the check reports 'no eviction observed' (INCONCLUSIVE, opt-in) and the fault stays invisible",
+        "concurrency, prefix-cache, seeded (under KV-cache pressure only)",
+        "only when a cached block is evicted and handed to a request that is still writing it while the prefix "
+        "is asked for again. On a small KV pool (6 MiB for SmolLM2-135M: 16 blocks) the probe's floods cause "
+        "exactly that, and warm or loaded runs read another request's KV (logprobs move by 1.5-2.4 nats, seeded "
+        "samples change). On a large pool (the default 256 MiB) nothing is evicted during a run: invisible from "
+        "outside, and 'evict and re-hit' says so (no eviction observed)",
     ),
     "coarse-key": ("prefix-cache", "a novel prompt of the same length reports cached_tokens it never shared, and "
                    "its output differs from its cold run"),
