@@ -1,0 +1,93 @@
+"""Owns `isolab bench`: the engine benchmark (or, with --url, the same workload over HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+from isolab.commands.common import add_engine_args, llm_kwargs
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or LO:HI") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return a, b
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="throughput and latency of the engine (or of any server, with --url)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=32)
+    w.add_argument("--concurrency", type=int, default=32)
+    w.add_argument("--prompt-len", type=_range, default=(64, 256), help="prompt words, N or LO:HI (64:256)")
+    w.add_argument("--output-len", type=_range, default=(128, 128), help="new tokens, N or LO:HI (128)")
+    w.add_argument("--shared-prefix-len", type=int, default=0, help="words of a shared prefix")
+    w.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts with the prefix")
+    w.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
+    p.add_argument("--url", default=None, help="bench an OpenAI-compatible server instead of the engine")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from isolab.bench.workload import WorkloadSpec, make_workload
+
+    wl = make_workload(WorkloadSpec(args.num_requests, args.prompt_len, args.output_len, args.shared_prefix_len,
+                                    args.shared_fraction, args.seed))
+    result: dict = {"workload": vars(wl.spec), "machine": {"cpu_threads": torch.get_num_threads(),
+                                                           "platform": platform.platform()}}
+    if args.url:
+        from isolab.bench.http_bench import run_http_bench
+
+        result["server"] = run_http_bench(args.url, args.api_key, args.served_model, wl.prompts, wl.max_tokens,
+                                          args.concurrency)
+        rows = [("server", result["server"])]
+    else:
+        from isolab.bench.engine_bench import run_engine_bench
+        from isolab.llm import LLM
+
+        llm = LLM(**llm_kwargs(args))
+        result["engine"] = run_engine_bench(llm.engine, wl, args.concurrency)
+        result["engine"]["dtype"] = args.dtype
+        rows = [(f"isolab ({args.dtype})", result["engine"])]
+        if args.compare == "hf":
+            from isolab.bench.engine_bench import run_hf_bench
+
+            result["hf"] = run_hf_bench(args.model, args.dtype, wl, args.concurrency)
+            result["ratio_vs_hf"] = result["engine"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
+            rows.append((f"transformers ({args.dtype}, static batch {args.concurrency})", result["hf"]))
+    table = Table(title=f"isolab bench: {args.num_requests} requests, concurrency {args.concurrency}")
+    for col in ("system", "output tok/s", "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "prefix hit rate", "peak RSS (MiB)"):
+        table.add_column(col)
+
+    def f(d, k, scale=1.0, fmt="{:.3f}"):
+        v = (d or {}).get(k)
+        return "-" if v is None else fmt.format(v * scale)
+
+    for name, d in rows:
+        ttft, itl = d.get("ttft_s") or d.get("request_latency_s"), d.get("itl_s")
+        table.add_row(name, f"{d['output_tokens_per_s']:.1f}", f"{f(ttft, 'p50')} / {f(ttft, 'p99')}",
+                      f"{f(itl, 'p50', 1e3, '{:.1f}')} / {f(itl, 'p99', 1e3, '{:.1f}')}",
+                      f(d, "prefix_cache_hit_rate", 1, "{:.0%}"), f(d, "peak_rss_mib", 1, "{:.0f}"))
+    console = Console()
+    console.print(table)
+    if "ratio_vs_hf" in result:
+        console.print(f"isolab / transformers output tokens/s: {result['ratio_vs_hf']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
