@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from isolab.config import MiB, CacheConfig, EngineConfig, SchedulerConfig
+from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import InvalidRequestError

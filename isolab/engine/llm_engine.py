@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import torch
-
 from isolab.config import EngineConfig
 from isolab.engine.audit import Auditor
 from isolab.engine.block_pool import BlockPool
@@ -22,7 +20,7 @@ from isolab.engine.model_runner import ModelRunner
 from isolab.engine.request import Request, RequestStatus, TokenLogprob
 from isolab.engine.sampler import make_generator, sample
 from isolab.engine.scheduler import Scheduler, SchedulerOutput
-from isolab.errors import InvalidRequestError, IsolabError, IsolationViolation, PromptTooLongError
+from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError
 from isolab.models.bundle import ModelBundle, load_bundle
 from isolab.sampling_params import SamplingParams
 
