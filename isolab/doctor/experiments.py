@@ -173,7 +173,16 @@ def diagnose(
     if target.can_disable_cache:
         cs = [r.concurrency for r in sweep if r.symptoms] or [top]
         nocache = [together(items, refs, c, False, "original", checks) for c in cs]  # type: ignore[arg-type]
-    return Findings(target.name, alone, sweep, variant, nocache)
+    return Findings(target.name, alone, sweep, variant, nocache, vacuity_warnings(sweep))
+
+
+def vacuity_warnings(sweep: Sequence[RunRecord]) -> list[str]:
+    """A cache that never served a token cannot show a cache fault: say so rather than pass."""
+    hits = [r.stats.get("prefix_cache_hits_tokens", r.stats.get("cached_tokens")) for r in sweep]
+    if hits and all(h == 0 for h in hits):
+        return ["the prefix cache served no tokens in any run (or the server does not report cached_tokens): "
+                "a cache fault could not have shown; use prompts that share at least one full block"]
+    return []
 
 
 def symptoms_by_kind(symptoms: Sequence[Symptom]) -> dict[str, int]:

@@ -36,6 +36,8 @@ def print_report(f: Findings, v: Verdict) -> None:
     examples = [s for r in [f.alone, *f.sweep, f.variant, *f.nocache] for s in r.symptoms][:5]
     for s in examples:
         console.print(f"  e.g. {s.item_id} ({s.kind}): {s.detail}")
+    for w in f.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
     colour = "green" if v.verdict == "no symptom" else "red"
     console.print(f"verdict: [bold {colour}]{v.verdict}[/]")
 

@@ -58,6 +58,7 @@ class Findings:
     sweep: list[RunRecord]  # together, original content, cache on, by rising concurrency
     variant: RunRecord  # together at the top concurrency, other content
     nocache: list[RunRecord]  # together, cache off (empty: the target has no switch)
+    warnings: list[str] = field(default_factory=list)  # why a "no" may be vacuous
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def to_json(f: Findings, v: Verdict) -> dict:
         "verdict": v.verdict,
         "fired": v.fired,
         "answers": [asdict(a) for a in v.answers],
+        "warnings": f.warnings,
         "runs": {"alone": run(f.alone), "sweep": [run(r) for r in f.sweep], "variant": run(f.variant),
                  "nocache": [run(r) for r in f.nocache]},
     }

@@ -59,11 +59,12 @@ def _sentence(rng: random.Random, n: int) -> str:
 def builtin_workload(seed: int = 0) -> list[Item]:
     """About 30 requests whose order (arrival order) puts each repeat several places after its first send."""
     rng = random.Random(seed)
-    fam = [_sentence(rng, 10) for _ in range(3)]
-    same_len = [_sentence(rng, 6) for _ in range(4)]
-    base = _sentence(rng, 8)
-    shared = _sentence(rng, 9)
-    rep = [_sentence(rng, 7) for _ in range(3)]
+    # Lengths in words: at least 16 tokens (one full block) for a real tokenizer, ~6 per word for a byte one.
+    fam = [_sentence(rng, 20) for _ in range(3)]
+    same_len = [_sentence(rng, 14) for _ in range(4)]
+    base = _sentence(rng, 16)
+    shared = _sentence(rng, 16)
+    rep = [_sentence(rng, 14) for _ in range(3)]
     sampled = [_sentence(rng, 5) for _ in range(4)]
     items: list[Item] = []
 
@@ -77,13 +78,13 @@ def builtin_workload(seed: int = 0) -> list[Item]:
     add(fam[0] + " " + _sentence(rng, 3))
     add(rep[0])
     add(shared, scope="a")
+    add(shared, scope="b")  # same tokens, other tenant: must not hit scope a's blocks
     add(sampled[0], temperature=1.0, seed=11)
     add(fam[1] + " " + _sentence(rng, 3))
     add(sampled[1], temperature=1.0, seed=12)
     add(rep[1])
     add(fam[0] + " " + _sentence(rng, 4))
     add(same_len[2])
-    add(shared, scope="b")  # same tokens, other tenant: must not hit scope a's blocks
     add(rep[0])  # repeat
     add(fam[2] + " " + _sentence(rng, 2))
     add(sampled[2], temperature=1.0, seed=13)

@@ -37,7 +37,7 @@ EXPECTED = [(None, NO_SYMPTOM, set())] + [
 def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
     """Healthy: no symptom; every cache fault: cache isolation; shared-rng: shared state, not the cache."""
     out = tmp_path / "d.json"
-    engine_args = f"--model {tiny_path} --device cpu --kv-cache-memory 128KiB" + (f" --inject-fault {fault}" if fault else "")
+    engine_args = f"--model {tiny_path} --device cpu --kv-cache-memory 256KiB" + (f" --inject-fault {fault}" if fault else "")
     rc = main(["doctor", "--engine-args", engine_args, "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["verdict"] == verdict, data["answers"]

@@ -73,3 +73,11 @@ def test_decreasing_rate_does_not_grow_with_load():
     v = judge(findings({1: ["a", "b"], 4: ["a"], 16: []}, {1: [], 4: []}))
     assert v.answers[2].answer == NO
     assert v.verdict == CACHE_ISOLATION
+
+
+def test_a_cache_that_never_hit_is_flagged():
+    from isolab.doctor.experiments import vacuity_warnings
+
+    cold = [RunRecord("c=1", "original", 1, True, N, [], {"prefix_cache_hits_tokens": 0})]
+    warm = [RunRecord("c=1", "original", 1, True, N, [], {"prefix_cache_hits_tokens": 32})]
+    assert vacuity_warnings(cold) and not vacuity_warnings(warm)
