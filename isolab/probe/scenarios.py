@@ -182,9 +182,9 @@ async def prefix_cache(ctx: Context) -> Verdict:
     # e. A prompt that extends another request's prompt while that request still decodes: Y is X,
     #    then the next k tokens X will generate (known from X's reference run), then other text, so
     #    the block X is writing is a prefix of Y's. Y goes out as soon as X has streamed m tokens,
-    #    with k = m + a few (X must not be past k when Y arrives), under two offsets.
+    #    with k = m + a few (X must not be past k when Y arrives), under three offsets.
     comps = []
-    for offset in (3, 6):
+    for offset in (2, 4, 6):
         x, _c = w.secret(3)
         ref_x = await ctx.cold(x, max_tokens=2 * ctx.sizes.max_tokens)
         ref_units = ref_x.units()
@@ -199,8 +199,8 @@ async def prefix_cache(ctx: Context) -> Verdict:
                                                         tags=("extended",), on_progress=progress))
         await _first_token(started, job)
         y = x + "".join(ref_units[: (seen[0] if seen else 0) + offset]) + " " + w.filler(1)
-        got_y = await ctx.send(y, tags=("extension",))
-        ref_y = await ctx.cold(y)
+        got_y = await ctx.send(y, tags=("extension",), max_tokens=2 * ctx.sizes.max_tokens)
+        ref_y = await ctx.cold(y, max_tokens=2 * ctx.sizes.max_tokens)
         got_x = await job
         ctx.records.append(got_x)
         ctx.on_request()
