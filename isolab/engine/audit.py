@@ -21,13 +21,16 @@ from isolab.errors import IsolationViolation
 
 
 def _violation(kind: str, reader: Request, block: KVBlock, why: str) -> IsolationViolation:
+    """kind: "read" or "write"."""
     writer = block.writer
     msg = (
         f"isolation violation ({kind}): request {reader.request_id} (scope {reader.scope!r}) {kind}s block "
         f"{block.block_id} written by {'request ' + writer if writer else 'nobody'} (scope {block.scope!r}, "
         f"{block.state.value}, generation {block.generation}): {why}"
     )
-    return IsolationViolation(msg, reader=reader.request_id, block_id=block.block_id, writer=writer)
+    v = IsolationViolation(msg, reader=reader.request_id, block_id=block.block_id, writer=writer)
+    v.kind = kind  # type: ignore[attr-defined]
+    return v
 
 
 class Auditor:
@@ -75,5 +78,5 @@ class Auditor:
 
     def _record(self, v: IsolationViolation) -> IsolationViolation:
         self.violations.append(v)
-        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer)
+        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer, kind=getattr(v, "kind", None))
         return v
