@@ -78,5 +78,5 @@ class Auditor:
 
     def _record(self, v: IsolationViolation) -> IsolationViolation:
         self.violations.append(v)
-        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer, kind=getattr(v, "kind", None))
+        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer, access=getattr(v, "kind", None))
         return v
