@@ -96,7 +96,8 @@ async def _one(client: httpx.AsyncClient, base: str, headers: dict[str, str], bo
 
 
 async def _run(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
-               concurrency: int, *, ignore_eos: bool, timeout_s: float, temperature: float) -> dict[str, Any]:
+               concurrency: int, *, ignore_eos: bool, timeout_s: float, temperature: float,
+               extra_body: dict[str, Any] | None) -> dict[str, Any]:
     base = _base(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -112,6 +113,7 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[s
                                     "stream": True, "stream_options": {"include_usage": True}}
             if ignore_eos:
                 body["ignore_eos"] = True  # vLLM's extension; servers without it ignore the field
+            body.update(extra_body or {})
             async with gate:
                 return await _one(client, base, headers, body)
 
@@ -142,11 +144,13 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[s
 
 def run_http_bench(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
                    concurrency: int, *, ignore_eos: bool = True, timeout_s: float = 600.0,
-                   temperature: float = 0.0) -> dict[str, Any]:
-    """Send every prompt as a streamed completion, at most `concurrency` at a time; see the module doc."""
+                   temperature: float = 0.0, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Send every prompt as a streamed completion, at most `concurrency` at a time; see the module doc.
+    `extra_body` is merged into every request (e.g. a logit_bias against end-of-sequence for a server
+    without `ignore_eos`)."""
     if len(prompts) != len(max_tokens):
         raise ValueError("give one max_tokens per prompt")
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     return asyncio.run(_run(url, api_key, model, prompts, max_tokens, concurrency, ignore_eos=ignore_eos,
-                            timeout_s=timeout_s, temperature=temperature))
+                            timeout_s=timeout_s, temperature=temperature, extra_body=extra_body))
