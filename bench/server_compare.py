@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,9 @@ def main() -> int:
     args = p.parse_args()
     gguf = default_model_path()
     prompts, max_tokens = workload(args.requests, args.max_tokens)
-    log_dir = args.json.parent
-    log_dir.mkdir(parents=True, exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="server_compare-"))  # the servers' own logs
+    print(f"server logs in {log_dir}")
     py = sys.executable
     results = []
     port = free_port()
