@@ -1,4 +1,7 @@
-"""Owns the K/V tensors of the paged pool: one (2, num_blocks, block_size, Hkv, Dh) tensor per layer.
+"""Owns the K/V tensors of the paged pool: one (2, Hkv, num_blocks, block_size, Dh) tensor per layer.
+
+Head-major, so that gathering a request's blocks copies whole 2 KiB rows and attention reads
+(Hkv, B, S, Dh) without another copy.
 
 Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.
 """
@@ -20,25 +23,25 @@ def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype) -> in
 class KVStorage:
     def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
-        # per layer: [0] = K, [1] = V; (2, num_blocks, block_size, Hkv, Dh). Zeros: padding reads stay finite.
+        # per layer: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
         self.layers = [
-            torch.zeros(2, num_blocks, block_size, hp.num_kv_heads, hp.head_dim, dtype=dtype, device=device)
+            torch.zeros(2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim, dtype=dtype, device=device)
             for _ in range(hp.num_layers)
         ]
 
     def clear(self, block_id: int) -> None:
         for kv in self.layers:
-            kv[:, block_id].zero_()
+            kv[:, :, block_id].zero_()
 
     def poison(self, block_id: int) -> None:
         for kv in self.layers:
-            kv[:, block_id].fill_(float("nan"))
+            kv[:, :, block_id].fill_(float("nan"))
 
     def checksum(self, block_id: int) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
         for kv in self.layers:
-            digest.update(kv[:, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            digest.update(kv[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return digest.digest()
 
     def has_nan(self, block_id: int) -> bool:
-        return any(bool(torch.isnan(kv[:, block_id]).any()) for kv in self.layers)
+        return any(bool(torch.isnan(kv[:, :, block_id]).any()) for kv in self.layers)

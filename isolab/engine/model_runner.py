@@ -16,7 +16,7 @@ import torch
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.scheduler import SchedulerOutput
-from isolab.models.llama import LlamaModel, attention_core
+from isolab.models.llama import KEY_PAD, LlamaModel, attention_core, causal_hidden
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,9 @@ class AttentionGroup:
     rows: torch.Tensor  # (B, T) row of each query in the step's flat batch; padding repeats a real row
     valid: torch.Tensor  # (B, T) bool: which entries are real queries
     q_pos: torch.Tensor  # (B, T) absolute positions
-    block_tables: torch.Tensor  # (B, nb) block ids, padded with the null block
+    block_ids: torch.Tensor  # (B * nb,) each row's block table, padded with the null block, flattened
+    num_blocks: int  # nb: blocks per row after padding
+    hidden: torch.Tensor  # (B, T, nb * bs) causal mask, computed once per step
 
 
 class PagedAttention:
@@ -37,17 +39,18 @@ class PagedAttention:
         self.scale = scale
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kv = self.storage.layers[layer]  # (2, num_blocks, bs, Hkv, Dh)
-        _, num_blocks, bs, hkv, dh = kv.shape
-        flat = kv.view(2, num_blocks * bs, hkv, dh)
-        flat[0].index_copy_(0, self.slot_mapping, k)
-        flat[1].index_copy_(0, self.slot_mapping, v)
+        kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh)
+        _, hkv, num_blocks, bs, dh = kv.shape
+        flat = kv.view(2, hkv, num_blocks * bs, dh)
+        flat[0].index_copy_(1, self.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, self.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         for g in self.groups:
-            B, nb = g.block_tables.shape
-            kb = kv[0][g.block_tables].view(B, nb * bs, hkv, dh)  # (B, S, Hkv, Dh)
-            vb = kv[1][g.block_tables].view(B, nb * bs, hkv, dh)
-            o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale)  # (B, T, H, Dh)
+            B = g.rows.shape[0]
+            S = g.num_blocks * bs
+            kb = kv[0].index_select(1, g.block_ids).view(hkv, B, S, dh)  # (Hkv, B, S, Dh)
+            vb = kv[1].index_select(1, g.block_ids).view(hkv, B, S, dh)
+            o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden)  # (B, T, H, Dh)
             out[g.rows[g.valid]] = o[g.valid]
         return out
 
@@ -65,6 +68,15 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
+
+    def _group(self, rows: torch.Tensor, q_pos: torch.Tensor, tables: list[list[int]]) -> AttentionGroup:
+        # Pad every table to the same number of blocks, and the key count to a multiple of KEY_PAD.
+        bs = self.kv.block_size
+        nb = max(len(t) for t in tables)
+        nb = -(-nb * bs // KEY_PAD) * KEY_PAD // bs if (nb * bs) % KEY_PAD else nb
+        ids = torch.tensor([b for t in tables for b in t + [0] * (nb - len(t))], device=self.device)
+        return AttentionGroup(rows, torch.ones_like(rows, dtype=torch.bool), q_pos, ids, nb,
+                              causal_hidden(q_pos, nb * bs))
 
     def execute(self, out: SchedulerOutput) -> ForwardResult:
         token_ids: list[int] = []
@@ -88,22 +100,18 @@ class ModelRunner:
                 decode.append((row0, ch.start, table))
             else:
                 T = ch.num_new_tokens
-                groups.append(AttentionGroup(
-                    rows=torch.arange(row0, row0 + T, device=dev).view(1, T),
-                    valid=torch.ones(1, T, dtype=torch.bool, device=dev),
-                    q_pos=torch.tensor(list(pos), device=dev).view(1, T),
-                    block_tables=torch.tensor(table, device=dev).view(1, -1),
+                groups.append(self._group(
+                    torch.arange(row0, row0 + T, device=dev).view(1, T), torch.tensor(list(pos), device=dev).view(1, T),
+                    [table],
                 ))
             if ch.samples:
                 last_rows.append(len(token_ids) - 1)
                 sample_idx.append(ci)
         if decode:
-            nb = max(len(t) for _, _, t in decode)
-            groups.append(AttentionGroup(
-                rows=torch.tensor([r for r, _, _ in decode], device=dev).view(-1, 1),
-                valid=torch.ones(len(decode), 1, dtype=torch.bool, device=dev),
-                q_pos=torch.tensor([p for _, p, _ in decode], device=dev).view(-1, 1),
-                block_tables=torch.tensor([t + [0] * (nb - len(t)) for _, _, t in decode], device=dev),
+            groups.append(self._group(
+                torch.tensor([r for r, _, _ in decode], device=dev).view(-1, 1),
+                torch.tensor([p for _, p, _ in decode], device=dev).view(-1, 1),
+                [t for _, _, t in decode],
             ))
         attn = PagedAttention(self.storage, torch.tensor(slots, device=dev), groups, self.scale)
         hidden = self.model.forward(torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn)

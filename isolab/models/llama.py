@@ -43,34 +43,41 @@ class AttentionBackend(Protocol):
         ...
 
 
+def causal_hidden(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(B, T) positions -> (B, T, S) bool, True where key j is a later position than the query."""
+    key_pos = torch.arange(num_keys, device=q_pos.device)
+    return key_pos.view(1, 1, num_keys) > q_pos.unsqueeze(-1)
+
+
 def attention_core(
     q: torch.Tensor,  # (B, T, H, Dh) queries, padded rows allowed
-    k: torch.Tensor,  # (B, S, Hkv, Dh) keys at positions 0..S-1, padded keys allowed
-    v: torch.Tensor,  # (B, S, Hkv, Dh)
+    k: torch.Tensor,  # (Hkv, B, S, Dh) keys at positions 0..S-1, padded keys allowed
+    v: torch.Tensor,  # (Hkv, B, S, Dh)
     q_pos: torch.Tensor,  # (B, T) absolute position of each query; key j is visible iff j <= q_pos
     scale: float,
+    hidden: torch.Tensor | None = None,  # (B, T, S) precomputed causal_hidden(q_pos, S), optional
 ) -> torch.Tensor:  # (B, T, H, Dh)
     B, T, H, Dh = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    Hkv, S = k.shape[0], k.shape[2]
     if S % KEY_PAD:
         # bf16 GEMM rounds differently when the key count is not a multiple of 16; the paged
         # pool always hands over whole blocks, so pad here too and every caller agrees.
         pad = KEY_PAD - S % KEY_PAD
-        k = F.pad(k, (0, 0, 0, 0, 0, pad))
-        v = F.pad(v, (0, 0, 0, 0, 0, pad))
+        k = F.pad(k, (0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, pad))
         S += pad
+        hidden = None
     G = H // Hkv
     # Grouped-query attention without copying K/V: fold each KV head's G query heads into rows.
-    qg = q.view(B, T, Hkv, G, Dh).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, Dh)
-    kt = k.permute(0, 2, 3, 1)  # (B, Hkv, Dh, S)
-    scores = torch.matmul(qg, kt).float().mul_(scale).view(B, Hkv, G, T, S)
-    key_pos = torch.arange(S, device=q.device)
+    qg = q.view(B, T, Hkv, G, Dh).permute(2, 0, 3, 1, 4).reshape(Hkv, B, G * T, Dh)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale).view(Hkv, B, G, T, S)
+    if hidden is None:
+        hidden = causal_hidden(q_pos, S)
     # The causal mask is an isolation boundary (claim C9): no query sees a later position.
-    hidden = key_pos.view(1, 1, S) > q_pos.view(B, T, 1)  # (B, T, S)
-    scores.masked_fill_(hidden.view(B, 1, 1, T, S), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, G * T, S)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # (B, Hkv, G*T, Dh)
-    return out.view(B, Hkv, G, T, Dh).permute(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+    scores.masked_fill_(hidden.view(1, B, 1, T, S), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, B, G * T, S)
+    out = torch.matmul(probs, v)  # (Hkv, B, G*T, Dh)
+    return out.view(Hkv, B, G, T, Dh).permute(1, 3, 0, 2, 4).reshape(B, T, H, Dh)
 
 
 class DenseKV:
@@ -86,8 +93,9 @@ class DenseKV:
         self.k[layer] = k if old_k is None else torch.cat([old_k, k])
         self.v[layer] = v if old_v is None else torch.cat([old_v, v])
         assert self.q_pos is not None
-        kk, vv = self.k[layer], self.v[layer]
-        out = attention_core(q[None], kk[None], vv[None], self.q_pos[None], q.shape[-1] ** -0.5)
+        kk = self.k[layer].transpose(0, 1).unsqueeze(1)  # (Hkv, 1, S, Dh)
+        vv = self.v[layer].transpose(0, 1).unsqueeze(1)
+        out = attention_core(q[None], kk, vv, self.q_pos[None], q.shape[-1] ** -0.5)
         return out[0]
 
 
