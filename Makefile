@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.isolab-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+# The main job serves one anonymous tenant; give keys for tenants: SERVE_ARGS='--api-keys keys.txt'
+SERVE_ARGS ?= --no-auth
 
 .PHONY: setup serve test check bench demo clean
 

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="bench an OpenAI-compatible server instead of the engine")
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="with --url: for servers without `ignore_eos` (llama.cpp); pair with --extra-body")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='with --url: fields merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'')
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -53,8 +57,14 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         from isolab.bench.http_bench import run_http_bench
 
+        from isolab.errors import InvalidRequestError
+
+        try:
+            extra = json.loads(args.extra_body) if args.extra_body else None
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"--extra-body is not JSON ({exc})", field="extra_body") from None
         result["server"] = run_http_bench(args.url, args.api_key, args.served_model, wl.prompts, wl.max_tokens,
-                                          args.concurrency)
+                                          args.concurrency, ignore_eos=not args.no_ignore_eos, extra_body=extra)
         rows = [("server", result["server"])]
     else:
         from isolab.bench.engine_bench import run_engine_bench

@@ -32,7 +32,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     K = 1536 about 1 output in 6,000 gets other bits; every M >= 2 agrees bit for bit. Padding
     the single row keeps a row's bits independent of the batch (tests/models/test_batch_invariance.py).
     """
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16:  # fp32 is not batch-invariant anyway
         return F.linear(x.expand(2, -1), weight)[:1]
     return F.linear(x, weight)
 
