@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
                                                            "platform": platform.platform()}}
     if args.url:
         from isolab.bench.http_bench import run_http_bench
-
         from isolab.errors import InvalidRequestError
 
         try:
