@@ -66,7 +66,7 @@ def _engine_kwargs(text: str, tiny: bool) -> dict:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from isolab.doctor.experiments import EngineTarget, diagnose
+    from isolab.doctor.experiments import EngineTarget, Target, diagnose
     from isolab.doctor.report import plot_sweep, print_report, write_json
     from isolab.doctor.symptoms import parse_check
     from isolab.doctor.verdict import NO_SYMPTOM, judge
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
     checks = [parse_check(c) for c in args.check]
     items = load_jsonl(args.workload) if args.workload else builtin_workload()
+    target: Target
     if args.base_url:
         from isolab.doctor.http_target import HttpTarget, parse_field
 

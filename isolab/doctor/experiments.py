@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from isolab.doctor.symptoms import Check, Result, Symptom, find_symptoms, foreign_hits
 from isolab.doctor.verdict import Findings, RunRecord
@@ -63,7 +63,7 @@ class EngineTarget:
         kw = dict(self.kwargs, enable_prefix_caching=prefix_cache and self.kwargs.get("enable_prefix_caching", True), trace_path=trace)
         if kv_bytes is not None:
             kw["kv_cache_memory"] = min(kv_bytes, kw.get("kv_cache_memory", kv_bytes))
-        return LLM(bundle=self.bundle, **kw).engine
+        return LLM(bundle=cast(Any, self.bundle), **kw).engine
 
     def prepare(self, items: Sequence[Item]) -> list[Item]:
         from dataclasses import replace
@@ -155,7 +155,7 @@ def diagnose(
 
     def together(its: Sequence[Item], rf: dict[str, Result], c: int, cache: bool, content: str, chk: Sequence[Check]) -> RunRecord:
         log(f"together: concurrency {c}, prefix cache {'on' if cache else 'off'}, {content} content")
-        history = getattr(target, "cross_scope_history", list)()  # a server's cache outlives a run
+        history: list[tuple[Item, Result]] = getattr(target, "cross_scope_history", list)()  # a server's cache outlives a run
         admitted, stats = target.together(its, c, cache)
         res = {it.item_id: r for it, r in admitted}
         sym = find_symptoms(its, res, rf, exact=exact, tie_margin=tie_margin, checks=chk)

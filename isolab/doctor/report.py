@@ -56,14 +56,14 @@ def plot_sweep(f: Findings, path: str | Path, title: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     cs = [r.concurrency for r in f.sweep]
-    ax.plot(cs, [100 * r.rate for r in f.sweep], "o-", color="#d00000", lw=3, ms=8, label="prefix cache on")
+    ax.plot(cs, [100 * r.rate for r in f.sweep], "o-", color="#d00000", lw=3, ms=8, label="prefix cache on")  # type: ignore[arg-type]
     if f.nocache:
-        ax.plot([r.concurrency for r in f.nocache], [100 * r.rate for r in f.nocache], "s--", color="#1f77b4", mfc="white",
+        ax.plot([r.concurrency for r in f.nocache], [100 * r.rate for r in f.nocache], "s--", color="#1f77b4", mfc="white",  # type: ignore[arg-type]
                 lw=1.3, label="prefix cache off")
-    ax.plot([f.variant.concurrency], [100 * f.variant.rate], "D", color="#7b2cbf", label="other content, same shapes")
+    ax.plot([f.variant.concurrency], [100 * f.variant.rate], "D", color="#7b2cbf", label="other content, same shapes")  # type: ignore[arg-type]
     ax.axhline(100 * f.alone.rate, color="grey", ls=":", label="each alone")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xticks(cs, [str(c) for c in cs])  # type: ignore[arg-type]
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("symptomatic requests (%)")
     ax.set_ylim(-1, max(10.0, 100 * max([r.rate for r in [*f.sweep, *f.nocache, f.variant]] or [0]) * 1.2))

@@ -76,9 +76,9 @@ def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
         if life.sealed_at is not None:
             ax.plot([life.sealed_at + 0.5], [y - 0.25], marker="s", ms=2.5, color="white", mec="black", mew=0.4, ls="")
         if life.end_kind == "freed":
-            ax.plot([life.end], [y], marker="|", ms=11, mew=1.6, color=FREED, ls="")
+            ax.plot([life.end], [y], marker="|", ms=11, mew=1.6, color=FREED, ls="")  # type: ignore[arg-type]
         elif life.end_kind == "evicted":
-            ax.plot([life.end], [y], marker="v", ms=7, color=EVICTED, mec="black", mew=0.4, ls="")
+            ax.plot([life.end], [y], marker="v", ms=7, color=EVICTED, mec="black", mew=0.4, ls="")  # type: ignore[arg-type]
     seen: dict[tuple[int, int], int] = {}
     for m in trace.marks:
         y = row[m["block"]]

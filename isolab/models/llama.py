@@ -90,11 +90,12 @@ class DenseKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         old_k, old_v = self.k[layer], self.v[layer]
-        self.k[layer] = k if old_k is None else torch.cat([old_k, k])
-        self.v[layer] = v if old_v is None else torch.cat([old_v, v])
+        new_k = k if old_k is None else torch.cat([old_k, k])
+        new_v = v if old_v is None else torch.cat([old_v, v])
+        self.k[layer], self.v[layer] = new_k, new_v
         assert self.q_pos is not None
-        kk = self.k[layer].transpose(0, 1).unsqueeze(1)  # (Hkv, 1, S, Dh)
-        vv = self.v[layer].transpose(0, 1).unsqueeze(1)
+        kk = new_k.transpose(0, 1).unsqueeze(1)  # (Hkv, 1, S, Dh)
+        vv = new_v.transpose(0, 1).unsqueeze(1)
         out = attention_core(q[None], kk, vv, self.q_pos[None], q.shape[-1] ** -0.5)
         return out[0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from isolab.errors import InvalidRequestError, ModelLoadError
 
@@ -55,7 +56,7 @@ class Tokenizer:
         return list(self._tok(text, add_special_tokens=True).input_ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return cast(str, self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
         if not self.has_chat_template:
@@ -68,4 +69,4 @@ class Tokenizer:
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Per-token text for logprobs (decoded one token at a time)."""
-        return [self._tok.decode([t]) for t in token_ids]
+        return [cast(str, self._tok.decode([t])) for t in token_ids]

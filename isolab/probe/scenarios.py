@@ -11,7 +11,7 @@ cold run). `cold(prompt)` is the reference run: under a fresh salt when the serv
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from isolab.probe.client import Identity, ProbeClient
@@ -75,7 +75,7 @@ class Context:
         who = Identity(self.a.label, self.a.api_key, f"probe-cold-{self.work.word(8)}") if self.salt_cold else self.a
         return await self.send(prompt, who, tags=("reference", *tags), **kw)
 
-    async def gather(self, coros: list[Awaitable[Completion]]) -> list[Completion]:
+    async def gather(self, coros: Sequence[Awaitable[Completion]]) -> list[Completion]:
         return list(await asyncio.gather(*coros))
 
 
@@ -283,7 +283,9 @@ async def timing(ctx: Context) -> Verdict:
     """Per sample, with fresh long prompts X and Y of equal length: A sends X (now cached for A);
     then in random order: A sends X (own hit), B sends X (other tenant's prefix), B sends Y (never cached)."""
     w, a, b = ctx.work, ctx.a, ctx.b
-    own, other, miss = [], [], []
+    own: list[float] = []
+    other: list[float] = []
+    miss: list[float] = []
     for _ in range(ctx.sizes.timing_samples):
         text = w.filler(10)
         x, y = f"{w.word().capitalize()} report. {text}", f"{w.word().capitalize()} report. {text}"

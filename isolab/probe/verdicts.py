@@ -201,7 +201,8 @@ def judge_cached_bounds(name: str, sequence: Sequence[Completion], th: Threshold
     """In the order sent: no prompt may be served more cached tokens than it shares with earlier ones."""
     if not any(c.cached_tokens is not None for c in sequence):
         return Verdict(name, Status.INCONCLUSIVE, "the server does not report usage.prompt_tokens_details.cached_tokens")
-    bad, seen = [], []
+    bad: list[str] = []
+    seen: list[str] = []
     for c in sequence:
         excess = cached_excess(c, seen, th.cached_slack)
         if excess is not None:

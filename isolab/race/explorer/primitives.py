@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 if TYPE_CHECKING:
     from isolab.race.explorer.runtime import Runtime, Task
@@ -219,7 +219,7 @@ class ModelSemaphore:
 @contextmanager
 def modelled(rt: Runtime) -> Iterator[None]:
     """Swaps threading's factories (and time.sleep) for ones that model inside `rt`."""
-    real = {
+    real: dict[str, Any] = {
         "Lock": threading.Lock,
         "RLock": threading.RLock,
         "Condition": threading.Condition,
@@ -247,7 +247,7 @@ def modelled(rt: Runtime) -> Iterator[None]:
     def BoundedSemaphore(value: int = 1) -> Any:
         return ModelSemaphore(rt, value, bound=value) if rt.managed() else real["BoundedSemaphore"](value)
 
-    def sleep(seconds: float) -> None:
+    def sleep(seconds: float | SupportsIndex) -> None:
         if rt.me() is None:
             return real_sleep(seconds)
         task = rt.sync_point("sleep", yielding=True)  # virtual time: a sleep only lets others run

@@ -371,7 +371,7 @@ class Runtime:
             self.after_sync(task)
 
     def _user_frame(self) -> Any:
-        frame = sys._getframe(1)
+        frame: Any = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename not in self.targets:
             frame = frame.f_back
         return frame if frame is not None else sys._getframe(1)

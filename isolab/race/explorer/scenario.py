@@ -48,14 +48,16 @@ class Scenario:
     def target_files(self) -> frozenset[str]:
         """Files whose frames are traced: where setup, the bodies and trace_modules live."""
         files: set[str] = set()
-        for fn in (self.setup, *self.threads):
+        fns: tuple[Callable[..., Any], ...] = (self.setup, *self.threads)
+        for fn in fns:
             code = getattr(inspect.unwrap(fn), "__code__", None)
             if code is not None:
                 files.add(code.co_filename)
         for name in self.trace_modules:
             module = sys.modules.get(name) or importlib.import_module(name)
-            if getattr(module, "__file__", None):
-                files.add(module.__file__)
+            module_file = getattr(module, "__file__", None)
+            if module_file:
+                files.add(module_file)
         return frozenset(files)
 
 
