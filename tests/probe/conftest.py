@@ -3,19 +3,16 @@ around an engine with chosen faults, on the tiny model unless a test asks for th
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 
 from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine.llm_engine import LLMEngine
 from isolab.server import ServerConfig, TenantRegistry, create_app
+from isolab.testing.live_server import serve_in_thread
 
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 
@@ -28,20 +25,9 @@ def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int 
                                     device="cpu", inject_faults=frozenset(faults)), bundle=bundle)
     tenants = TenantRegistry(keys) if keys else TenantRegistry({}, anonymous=True)
     app = create_app(engine, tenants, ServerConfig())
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(wrap(app) if wrap else app, log_level="warning", access_log=False,
-                                           lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
+    url, server, thread = serve_in_thread(wrap(app) if wrap else app, lifespan="on")
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield url
     finally:
         server.should_exit = True
         thread.join(30)

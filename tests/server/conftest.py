@@ -3,7 +3,6 @@ around an in-process engine that shares the session's model bundle, and OpenAI c
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import uvicorn
 from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine.llm_engine import LLMEngine
 from isolab.server import ServerConfig, TenantRegistry, create_app
+from isolab.testing.live_server import serve_in_thread
 
 KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 
@@ -82,19 +82,8 @@ def start_server(bundle: Any, *, server_config: ServerConfig | None = None, tena
         bundle=bundle,
     )
     app = create_app(engine, tenants or TenantRegistry(KEYS), server_config or ServerConfig())
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    return LiveServer(f"http://127.0.0.1:{port}", engine, app, server, thread)
+    url, server, thread = serve_in_thread(app)
+    return LiveServer(url, engine, app, server, thread)
 
 
 @pytest.fixture(scope="module")
