@@ -14,24 +14,53 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from isolab.models.llama import linear  # noqa: E402
+from isolab.models.llama import Weight, attention_core  # noqa: E402
 
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536), "lm_head": (49152, 576)}
 SLICES = (1, 2, 3, 4, 5, 8, 9, 17, 64)
 
 
-def gemm_mismatches(dtype: torch.dtype, n: int, k: int, fn) -> dict[int, int]:
+def gemm_mismatches(dtype: torch.dtype, n: int, k: int, make) -> dict[int, int]:
+    """make(weight) -> fn(x): the op under test with its weight bound (packed once, if it packs)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(256 if n > 10000 else 512, k, generator=g).to(dtype)
-    ref = fn(x, w)
+    fn = make(w)
+    ref = fn(x)
     out = {}
     for m in SLICES:
         bad = 0
         for s in range(0, x.shape[0] - m + 1, m):
-            bad += int((fn(x[s : s + m], w) != ref[s : s + m]).sum())
+            bad += int((fn(x[s : s + m]) != ref[s : s + m]).sum())
         out[m] = bad
     return out
+
+
+def attention_mismatches(dtype: torch.dtype) -> dict[str, int]:
+    """attention_core (SmolLM2 heads: 3 KV heads, 9 query heads, Dh 64) on the same queries and keys
+    grouped three ways: 32 decode rows at once vs each alone, keys padded vs exact, and 40 prompt
+    queries in one chunk vs one at a time (what preemption and prefix hits rely on)."""
+    g = torch.Generator().manual_seed(0)
+    hkv, heads, dh, b, s = 3, 9, 64, 32, 160
+    q = torch.randn(b, 1, heads, dh, generator=g).to(dtype)
+    k = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
+    v = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
+    pos = torch.randint(40, 150, (b, 1), generator=g)
+    full = attention_core(q, k, v, pos, dh**-0.5)
+    batch = padded = 0
+    for i in range(b):
+        one = slice(i, i + 1)
+        batch += int((attention_core(q[one], k[:, one], v[:, one], pos[one], dh**-0.5) != full[one]).sum())
+        n = -(-(int(pos[i]) + 1) // 16) * 16
+        padded += int((attention_core(q[one], k[:, one, :n], v[:, one, :n], pos[one], dh**-0.5) != full[one]).sum())
+    t = 40
+    qq = torch.randn(1, t, heads, dh, generator=g).to(dtype)
+    kk, vv = k[:, :1, :48], v[:, :1, :48]
+    tpos = torch.arange(t).view(1, t)
+    chunk = attention_core(qq, kk, vv, tpos, dh**-0.5)
+    split = sum(int((attention_core(qq[:, j : j + 1], kk, vv, tpos[:, j : j + 1], dh**-0.5) != chunk[:, j : j + 1]).sum())
+                for j in range(t))
+    return {"batch_vs_solo": batch, "padded_vs_exact": padded, "chunk_vs_one_by_one": split}
 
 
 def main() -> None:
@@ -39,12 +68,15 @@ def main() -> None:
     print(f"{'shape':10} {'dtype':5} {'op':12} " + " ".join(f"M={m:<6}" for m in SLICES))
     for name, (n, k) in SHAPES.items():
         for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for opname, fn in (("F.linear", F.linear), ("isolab", linear)):
-                if dname == "fp32" and opname == "isolab" and name == "lm_head":
-                    continue
-                r = gemm_mismatches(dt, n, k, fn)
+            for opname, make in (("F.linear", lambda w: lambda x: F.linear(x, w)), ("isolab", Weight)):
+                r = gemm_mismatches(dt, n, k, make)
                 result["gemm"][f"{name}/{dname}/{opname}"] = r
                 print(f"{name:10} {dname:5} {opname:12} " + " ".join(f"{r[m]:<8}" for m in SLICES))
+    result["attention"] = {}
+    print(f"\n{'attention':10} {'dtype':5} {'32 rows vs 1':14} {'padded keys':12} {'40-query chunk vs 1 by 1'}")
+    for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = result["attention"][dname] = attention_mismatches(dt)
+        print(f"{'core':10} {dname:5} {a['batch_vs_solo']:<14} {a['padded_vs_exact']:<12} {a['chunk_vs_one_by_one']}")
     out = Path(__file__).parent / "results" / "batch_invariance.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

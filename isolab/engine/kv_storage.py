@@ -23,6 +23,7 @@ def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype) -> in
 class KVStorage:
     def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
+        self.num_blocks = num_blocks
         # per layer: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
         self.layers = [
             torch.zeros(2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim, dtype=dtype, device=device)

@@ -6,13 +6,14 @@ engine) and returns the attention output. `attention_core` is the one attention 
 so a paged run and the reference run do the same arithmetic.
 
 Batch invariance (issue 3): in bf16 every op here gives a row the same bits whatever else is in
-the batch: bf16 GEMM keeps a fixed reduction order per row for M >= 2 on this CPU (`linear`
-pads a single row), and softmax over keys masked with -inf is unchanged by padding. fp32 GEMM
-(MKL) does not: see docs/numerics.md.
+the batch: GEMMs on prepacked oneDNN weights keep one reduction order per row for any M (`Weight`
+pads a single row), and softmax over keys masked with -inf is unchanged by padding. In fp32 the
+GEMMs are invariant too, but attention's bmm (MKL) is not: see docs/engine.md, "Numerics".
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -25,16 +26,57 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KEY_PAD = 16  # attention always sees a multiple of 16 keys (see attention_core)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear with one row padded to two: (M, K) -> (M, N).
+class Weight:
+    """A linear layer's (N, K) weight, prepacked for oneDNN where the device allows it.
 
-    Measured on this CPU (bf16, oneDNN): a single row takes another kernel than M >= 2, and for
-    K = 1536 about 1 output in 6,000 gets other bits; every M >= 2 agrees bit for bit. Padding
-    the single row keeps a row's bits independent of the batch (tests/models/test_batch_invariance.py).
+    Measured on this CPU (bench/batch_invariance.py): oneDNN on a prepacked weight gives a row
+    the same bits at every batch size M >= 2, in fp32 as in bf16, and at M = 32 runs 1.4x (bf16)
+    to 1.6x (fp32) faster than F.linear, which repacks per call (bf16) or goes to MKL (fp32,
+    whose bits change with M). A single row takes another kernel (for K = 1536 about 1 output in
+    6,000 gets other bits), so it is padded to two. Without oneDNN (CUDA) it is the plain weight
+    and F.linear.
     """
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16:  # fp32 is not batch-invariant anyway
-        return F.linear(x.expand(2, -1), weight)[:1]
-    return F.linear(x, weight)
+
+    __slots__ = ("packed", "plain", "shape")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.shape = tuple(weight.shape)  # (N, K)
+        self.packed: torch.Tensor | None = None  # oneDNN's blocked layout; replaces `plain`
+        self.plain: torch.Tensor | None = weight
+        if weight.device.type == "cpu" and _can_pack(weight.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            self.plain = None  # one copy of the weights, not two
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: (M, K) -> (M, N)."""
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return self._apply(x.expand(2, -1))[:1]
+        return self._apply(x)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        assert self.plain is not None
+        return F.linear(x, self.plain)
+
+
+PACK_BATCH_HINT = 32  # the layout oneDNN picks; any M runs on it, this one is tuned for decode
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: torch.Tensor  # (D,)
+    wqkv: Weight  # (H*Dh + 2*Hkv*Dh, D): q, k, v in one GEMM
+    wo: Weight  # (D, H*Dh)
+    ffn_norm: torch.Tensor  # (D,)
+    w_gate_up: Weight  # (2I, D): gate and up in one GEMM
+    w_down: Weight  # (D, I)
 
 
 class AttentionBackend(Protocol):
@@ -113,24 +155,21 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
 
-        def norm(name: str) -> torch.Tensor:  # RMSNorm weights multiply after the cast back, as in HF
-            return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
-
         self.embed = w("token_embd.weight")  # (V, D)
-        self.lm_head = w("output.weight") if "output.weight" in t else self.embed  # tied embeddings
+        # tied embeddings: the head is packed apart from the (V, D) table that lookups read
+        self.lm_head = Weight(w("output.weight") if "output.weight" in t else self.embed)
         self.final_norm = w("output_norm.weight")
-        self.layers = []
+        self.layers: list[Layer] = []
         for i in range(hp.num_layers):
             p = f"blk.{i}."
-            self.layers.append({
-                "attn_norm": w(p + "attn_norm.weight"),
-                # (Hq*Dh + 2*Hkv*Dh, D): q, k, v in one GEMM
-                "wqkv": torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
-                "wo": w(p + "attn_output.weight"),  # (D, Hq*Dh)
-                "ffn_norm": w(p + "ffn_norm.weight"),
-                "w_gate_up": torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),  # (2I, D)
-                "w_down": w(p + "ffn_down.weight"),  # (D, I)
-            })
+            self.layers.append(Layer(
+                attn_norm=w(p + "attn_norm.weight"),
+                wqkv=Weight(torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")])),
+                wo=Weight(w(p + "attn_output.weight")),
+                ffn_norm=w(p + "ffn_norm.weight"),
+                w_gate_up=Weight(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
+                w_down=Weight(w(p + "ffn_down.weight")),
+            ))
         inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
         pos = torch.arange(hp.context_length, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # (P, Dh/2)
@@ -158,23 +197,21 @@ class LlamaModel:
         cos = self.rope_cos[positions].unsqueeze(1)  # (N, 1, Dh)
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, L in enumerate(self.layers):
-            h = self._rms_norm(x, L["attn_norm"])
-            qkv = linear(h, L["wqkv"])  # (N, (H + 2 Hkv) Dh)
-            q = qkv[:, : H * Dh].view(N, H, Dh)
-            k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)
+            h = self._rms_norm(x, L.attn_norm)
+            qkv = L.wqkv(h)  # (N, (H + 2 Hkv) Dh)
+            qk = self._rope(qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh), cos, sin)  # q and k in one pass
             v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            o = attn.attend(i, q, k, v.contiguous())  # (N, H, Dh)
-            x = x + linear(o.reshape(N, H * Dh), L["wo"])
-            h = self._rms_norm(x, L["ffn_norm"])
-            gate, up = linear(h, L["w_gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, L["w_down"])
+            o = attn.attend(i, qk[:, :H], qk[:, H:], v)  # (N, H, Dh)
+            x = x + L.wo(o.reshape(N, H * Dh))
+            h = self._rms_norm(x, L.ffn_norm)
+            gate, up = L.w_gate_up(h).chunk(2, dim=-1)
+            x = x + L.w_down(F.silu(gate) * up)
         return self._rms_norm(x, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M, V) float32."""
-        return linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:

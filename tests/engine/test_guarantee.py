@@ -56,7 +56,8 @@ def test_32_mixed_requests_equal_solo_on_real_model(real_bundle):
 
 
 def test_fp32_differs_only_within_the_documented_bound(tiny_path):
-    """fp32 GEMMs (MKL) round a row differently with the batch shape (docs/engine.md), so in fp32
+    """fp32 attention (MKL bmm) rounds a query differently in a prompt chunk than alone
+    (docs/engine.md, "Numerics"; the GEMMs are invariant in both dtypes), so in fp32
     the guarantee is a bound: logprobs within 1e-4 of the solo run, and tokens equal except where
     the solo run's top two were within that bound (a near-tie)."""
     from isolab.models.bundle import load_bundle
