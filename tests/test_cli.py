@@ -47,3 +47,15 @@ def test_bad_input_gets_one_sentence(tmp_path, tiny_path, args, needle):
 def test_unknown_fault_is_refused(tiny_path):
     out = isolab("generate", "hi", "--model", str(tiny_path), "--inject-fault", "nope")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_option_prefixes_are_not_guessed():
+    """`bench --output 8` once parsed as --output-len 8; a prefix is now refused, not guessed."""
+    from isolab.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--output-len", "8"]).output_len
+    for args in (["bench", "--output", "8"], ["race", "stress", "--var", "all"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(args)
+        assert exc.value.code == 2
