@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from isolab import kernels
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -122,23 +123,63 @@ def attention_core(
     return out.view(Hkv, B, G, T, Dh).permute(1, 3, 0, 2, 4).reshape(B, T, H, Dh)
 
 
-class DenseKV:
-    """The reference backend: one sequence, K/V in growing contiguous tensors, no sharing at all."""
+def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v (N, Hkv, Dh) at flat slots (N,) of one layer's pool (2, Hkv, num_blocks, bs, Dh).
 
-    def __init__(self, hp: LlamaHParams) -> None:
-        self.k: list[torch.Tensor | None] = [None] * hp.num_layers  # (S, Hkv, Dh)
-        self.v: list[torch.Tensor | None] = [None] * hp.num_layers
+    The layout the native kernel reads: a V block is (bs, Dh); a K block holds the same bytes
+    transposed, (Dh, bs), so that 16 keys of one dimension are one vector load.
+    """
+    _, hkv, nb, bs, dh = kv.shape
+    kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
+    kv[0].view(hkv, nb, dh, bs)[:, slots // bs, :, slots % bs] = k  # [h, block, d, offset] <- k[n, h, d]
+
+
+def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's read: whole (block, head) rows of kv (2, Hkv, num_blocks, bs, Dh), in the
+    order of `rows` (2 * Hkv * B * nb,) as (kv, head, row, table entry) -> K, V (Hkv, B, nb * bs, Dh).
+
+    One index_select along dim 0 of a contiguous view: measured 1.6x faster than two along the
+    block dim. K blocks come back transposed to (bs, Dh), as attention_core wants them."""
+    _, hkv, num_blocks, bs, dh = kv.shape
+    got = kv.view(2 * hkv * num_blocks, bs * dh).index_select(0, rows).view(2, hkv, batch, -1, bs * dh)
+    nb = got.shape[3]
+    k = got[0].view(hkv, batch, nb, dh, bs).transpose(-1, -2).reshape(hkv, batch, nb * bs, dh)
+    return k, got[1].view(hkv, batch, nb * bs, dh)
+
+
+class DenseKV:
+    """The reference backend: one sequence, no sharing at all.
+
+    With the native kernel, K/V live in a private pool with the identity block table, so the
+    reference does the same arithmetic as the engine; on the torch path, in growing contiguous
+    tensors read by attention_core.
+    """
+
+    def __init__(self, hp: LlamaHParams, num_tokens: int, dtype: torch.dtype, device: torch.device, native: bool) -> None:
+        self.native = native
+        self.scale = hp.head_dim ** -0.5
         self.q_pos: torch.Tensor | None = None  # set by the caller before each forward
+        self.k: list[torch.Tensor | None] = [None] * hp.num_layers  # (S, Hkv, Dh), torch path
+        self.v: list[torch.Tensor | None] = [None] * hp.num_layers
+        nb = -(-num_tokens // KEY_PAD)
+        self.pool = [torch.zeros(2, hp.num_kv_heads, nb, KEY_PAD, hp.head_dim, dtype=dtype, device=device)
+                     for _ in range(hp.num_layers)] if native else []
+        self.table = torch.arange(nb, dtype=torch.int32, device=device).view(1, nb)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self.q_pos is not None
+        if self.native:
+            kv = self.pool[layer]
+            write_kv(kv, self.q_pos, k, v)
+            pos = self.q_pos.to(torch.int32)
+            return kernels.paged_attention(q, kv, self.table, torch.zeros_like(pos), pos, self.scale)
         old_k, old_v = self.k[layer], self.v[layer]
         new_k = k if old_k is None else torch.cat([old_k, k])
         new_v = v if old_v is None else torch.cat([old_v, v])
         self.k[layer], self.v[layer] = new_k, new_v
-        assert self.q_pos is not None
         kk = new_k.transpose(0, 1).unsqueeze(1)  # (Hkv, 1, S, Dh)
         vv = new_v.transpose(0, 1).unsqueeze(1)
-        out = attention_core(q[None], kk, vv, self.q_pos[None], q.shape[-1] ** -0.5)
+        out = attention_core(q[None], kk, vv, self.q_pos[None], self.scale)
         return out[0]
 
 
@@ -176,6 +217,8 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, Dh)
         self.rope_cos = emb.cos().to(self.device, self.dtype)
         self.rope_sin = emb.sin().to(self.device, self.dtype)
+        # Attention reads K/V with isolab's native paged kernel where it builds (CPU), else torch.
+        self.native_attention = kernels.available(self.device, self.dtype, hp.num_heads, hp.num_kv_heads, hp.head_dim)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -218,6 +261,6 @@ class LlamaModel:
         """The naive path: the whole sequence in one forward, dense K/V. (T,) -> (T, V) float32."""
         ids = torch.tensor(token_ids, device=self.device)
         pos = torch.arange(len(token_ids), device=self.device)
-        kv = DenseKV(self.hp)
+        kv = DenseKV(self.hp, len(token_ids), self.dtype, self.device, self.native_attention)
         kv.q_pos = pos
         return self.logits(self.forward(ids, pos, kv))

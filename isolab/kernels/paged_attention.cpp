@@ -1,0 +1,226 @@
+// Paged attention over isolab's KV pool, one query row at a time: the cache's read path.
+//
+// Layout of one layer's pool (isolab/engine/kv_storage.py):
+//   K plane: (Hkv, num_blocks, Dh, bs)  keys transposed inside a block, so 16 keys are one vector
+//   V plane: (Hkv, num_blocks, bs, Dh)
+// Each (query row, kv head) is computed by one thread, in a fixed order that depends only on the
+// row's own query, its keys 0..pos and its block table: never on the batch, the chunking or
+// padding. That is what makes a row's bits independent of what else runs (issue 3, item 7).
+// Keys after `pos` are never read, so nothing needs masking or padding.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline float load(const float* p, long i) { return p[i]; }
+static inline float load(const uint16_t* p, long i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+static inline void store(float* p, long i, float f) { p[i] = f; }
+static inline void store(uint16_t* p, long i, float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (uint16_t)((u >> 16) | 0x40); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (uint16_t)(u >> 16);
+}
+
+// exp(x) for x <= 0, 16 lanes; a pure function of each lane (no lane sees another).
+static inline v16f vexp(v16f x) {
+    const v16f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f,
+                     -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    x = x < lo ? lo : x;
+    v16f t = x * 1.44269504088896341f;
+    v16f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
+    v16f f = t - n;                             // [-0.5, 0.5]
+    // 2^f, minimax degree 6
+    v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    std::memcpy(&scale, &e, 64);
+    return p * scale;
+}
+
+template <typename T, int BS>
+static void attend_row(const T* q, const T* kplane, const T* vplane, const int32_t* table, int L, long NB,
+                       int bs_rt, int Dh, int G, int h, float scale, T* out, float* sc, int Lpad) {
+    const int bs = BS ? BS : bs_rt;
+    const int nblk = (L + bs - 1) / bs;
+    float qf[8 * 256];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < Dh; d++) qf[g * Dh + d] = load(q, (long)g * Dh + d);
+    // scores: s = (q . k) * scale, 16 keys at a time from the transposed K block
+    for (int i = 0; i < nblk; i++) {
+        const long blk = table[i];
+        const T* kb = kplane + ((long)h * NB + blk) * Dh * bs;
+        for (int g = 0; g < G; g++) {
+            float acc[BS ? BS : 256];
+            for (int j = 0; j < bs; j++) acc[j] = 0.0f;
+            const float* qg = qf + g * Dh;
+            for (int d = 0; d < Dh; d++) {
+                const float qd = qg[d];
+                for (int j = 0; j < bs; j++) acc[j] += qd * load(kb, (long)d * bs + j);
+            }
+            float* s = sc + (long)g * Lpad + (long)i * bs;
+            for (int j = 0; j < bs; j++) s[j] = acc[j] * scale;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float* s = sc + (long)g * Lpad;
+        float m = s[0];
+        for (int k = 1; k < L; k++) m = (s[k] > m || s[k] != s[k]) ? s[k] : m;  // NaN wins
+        for (int k = L; k < Lpad; k++) s[k] = m;  // lanes past L: defined, never summed
+        for (int k = 0; k < Lpad; k += 16) {
+            v16f x;
+            std::memcpy(&x, s + k, 64);
+            x = vexp(x - m);
+            std::memcpy(s + k, &x, 64);
+        }
+        float sum = 0.0f;
+        for (int k = 0; k < L; k++) sum += s[k];
+        float acc[256];
+        for (int d = 0; d < Dh; d++) acc[d] = 0.0f;
+        for (int k = 0; k < L; k++) {
+            const long blk = table[k / bs];
+            const T* vr = vplane + (((long)h * NB + blk) * bs + (k % bs)) * Dh;
+            const float p = s[k];
+            for (int d = 0; d < Dh; d++) acc[d] += p * load(vr, d);
+        }
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < Dh; d++) store(out, (long)g * Dh + d, acc[d] * inv);
+    }
+}
+
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16(const float* p) {
+    v16f x;
+    std::memcpy(&x, p, 64);
+    return x;
+}
+static inline v16f load16(const uint16_t* p) {
+    v16h h;
+    std::memcpy(&h, p, 32);
+    v16i u = __builtin_convertvector(h, v16i) << 16;
+    v16f x;
+    std::memcpy(&x, &u, 64);
+    return x;
+}
+
+// The same arithmetic as attend_row for bs = 16 and Dh = 64, with the G query heads of one KV head
+// sharing each K/V load and every accumulator in a register. Same order of operations per lane.
+template <typename T, int G>
+static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const int32_t* table, int L, long NB,
+                            int h, float scale, T* out, float* sc, int Lpad) {
+    constexpr int BS = 16, DH = 64;
+    const int nblk = (L + BS - 1) / BS;
+    float qf[G][DH];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
+    for (int i = 0; i < nblk; i++) {
+        const T* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        v16f acc[G];
+        for (int g = 0; g < G; g++) acc[g] = v16f{} ;
+        for (int d = 0; d < DH; d++) {
+            const v16f k = load16(kb + d * BS);
+            for (int g = 0; g < G; g++) acc[g] += qf[g][d] * k;
+        }
+        for (int g = 0; g < G; g++) {
+            v16f sv = acc[g] * scale;
+            std::memcpy(sc + (long)g * Lpad + (long)i * BS, &sv, 64);
+        }
+    }
+    float sum[G];
+    for (int g = 0; g < G; g++) {
+        float* s = sc + (long)g * Lpad;
+        float m = s[0];
+        for (int k = 1; k < L; k++) m = (s[k] > m || s[k] != s[k]) ? s[k] : m;  // NaN wins
+        for (int k = L; k < Lpad; k++) s[k] = m;
+        for (int k = 0; k < Lpad; k += 16) {
+            v16f x = vexp(load16(s + k) - m);
+            std::memcpy(s + k, &x, 64);
+        }
+        float t = 0.0f;
+        for (int k = 0; k < L; k++) t += s[k];
+        sum[g] = t;
+    }
+    v16f o[G][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) o[g][c] = v16f{};
+    for (int k = 0; k < L; k++) {
+        const T* vr = vplane + (((long)h * NB + table[k / BS]) * BS + (k % BS)) * DH;
+        const v16f v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+        for (int g = 0; g < G; g++) {
+            const float p = sc[(long)g * Lpad + k];
+            o[g][0] += p * v0;
+            o[g][1] += p * v1;
+            o[g][2] += p * v2;
+            o[g][3] += p * v3;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / sum[g];
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 16; l++) store(out, (long)g * DH + c * 16 + l, o[g][c][l] * inv);
+    }
+}
+
+template <typename T>
+static void attend_all(const T* q, const T* kplane, const T* vplane, const int32_t* tables, int table_len,
+                       const int32_t* row_table, const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB,
+                       int bs, int Dh, float scale) {
+    const int G = H / Hkv;
+    int max_len = 0;
+    for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
+    const int Lpad = ((max_len + bs - 1) / bs * bs + 15) / 16 * 16;
+#pragma omp parallel
+    {
+        float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
+#pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < (long)N * Hkv; task++) {
+            const int n = (int)(task / Hkv), h = (int)(task % Hkv);
+            const T* qr = q + ((long)n * H + (long)h * G) * Dh;
+            T* orow = out + ((long)n * H + (long)h * G) * Dh;
+            const int32_t* table = tables + (long)row_table[n] * table_len;
+            const int L = q_pos[n] + 1;
+            if (bs == 16 && Dh == 64 && G == 3)
+                attend_row_fast<T, 3>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
+            else if (bs == 16 && Dh == 64 && G == 1)
+                attend_row_fast<T, 1>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
+            else if (bs == 16 && Dh == 64 && G == 2)
+                attend_row_fast<T, 2>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
+            else if (bs == 16 && Dh == 64 && G == 4)
+                attend_row_fast<T, 4>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
+            else if (bs == 16)
+                attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
+            else
+                attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
+        }
+        std::free(sc);
+    }
+}
+
+extern "C" {
+// q, out: (N, H, Dh); tables: (R, table_len) block ids; row_table: (N,) which table each row uses;
+// q_pos: (N,) absolute position of each query (it sees keys 0..q_pos).
+void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+                                 int table_len, const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N,
+                                 int H, int Hkv, long NB, int bs, int Dh, float scale) {
+    attend_all<uint16_t>(q, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB, bs, Dh, scale);
+}
+void isolab_paged_attention_fp32(const float* q, const float* k, const float* v, const int32_t* tables,
+                                 int table_len, const int32_t* row_table, const int32_t* q_pos, float* out, int N,
+                                 int H, int Hkv, long NB, int bs, int Dh, float scale) {
+    attend_all<float>(q, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB, bs, Dh, scale);
+}
+}
