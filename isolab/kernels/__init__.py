@@ -1,4 +1,5 @@
-"""Owns isolab's one native kernel: paged attention that reads K/V straight from the pool.
+"""Owns isolab's native kernels: paged attention that reads K/V straight from the pool, and the
+fused per-row ops around it (RMSNorm, residual add + RMSNorm, RoPE, SiLU * up).
 
 Built on first use with the system C++ compiler into ~/.cache/isolab/kernels (keyed by the
 source, the flags, the compiler and the CPU), loaded with ctypes, and run on torch's own OpenMP
@@ -24,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("pointwise.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
@@ -52,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
     if cxx is None or platform.system() != "Linux":
         log.warning("no C++ compiler: paged attention runs on the torch path (slower)")
         return None
-    src = SOURCE.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in SOURCES)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
@@ -60,18 +61,32 @@ def _library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            res = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            res = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
             if res.returncode != 0:
                 log.warning("building the paged attention kernel failed; using the torch path: %s", res.stderr[-500:])
                 return None
             os.replace(out, target)  # atomic: concurrent builders each land a whole file
     lib = ctypes.CDLL(str(target))
-    for name in ("isolab_paged_attention_bf16", "isolab_paged_attention_fp32"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + \
-            [ctypes.c_long] + [ctypes.c_int] * 2 + [ctypes.c_float]
+    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    signatures = {
+        "paged_attention": [P, P, P, P, I, P, P, P, I, I, I, L, I, I, F],
+        "rms_norm": [P, P, P, I, I, F],
+        "add_rms_norm": [P, P, P, P, I, I, F],
+        "silu_mul": [P, P, I, I],
+        "rope": [P, P, P, P, I, I, I, I],
+    }
+    for name, args in signatures.items():
+        for suffix in ("bf16", "fp32"):
+            fn = getattr(lib, f"isolab_{name}_{suffix}")
+            fn.restype = None
+            fn.argtypes = args
     return lib
+
+
+def _fn(name: str, dtype: torch.dtype):  # the bf16 or fp32 entry point
+    lib = _library()
+    assert lib is not None
+    return getattr(lib, f"isolab_{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
 
 
 def available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -88,15 +103,47 @@ def paged_attention(
     q_pos: torch.Tensor,  # (N,) int32: row n attends to keys 0..q_pos[n], all inside its table
     scale: float,
 ) -> torch.Tensor:  # (N, H, Dh)
-    lib = _library()
-    assert lib is not None
     q = q.contiguous()
     N, H, Dh = q.shape
     _, hkv, nb, bs, _ = kv.shape
     assert kv.is_contiguous() and q.dtype == kv.dtype
     assert tables.dtype == row_table.dtype == q_pos.dtype == torch.int32 and tables.is_contiguous()
     out = torch.empty_like(q)
-    fn = lib.isolab_paged_attention_bf16 if q.dtype == torch.bfloat16 else lib.isolab_paged_attention_fp32
-    fn(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(), tables.shape[1],
-       row_table.data_ptr(), q_pos.data_ptr(), out.data_ptr(), N, H, hkv, nb, bs, Dh, scale)
+    _fn("paged_attention", q.dtype)(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(),
+                                    tables.shape[1], row_table.data_ptr(), q_pos.data_ptr(), out.data_ptr(),
+                                    N, H, hkv, nb, bs, Dh, scale)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N, D) -> (N, D): weight * round(x * rsqrt(mean(x^2) + eps))."""
+    assert x.is_contiguous() and x.dtype == weight.dtype
+    out = torch.empty_like(x)
+    _fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (the residual stream), then return rms_norm(x): (N, D) -> (N, D)."""
+    assert x.is_contiguous() and delta.is_contiguous() and x.dtype == delta.dtype == weight.dtype
+    out = torch.empty_like(x)
+    _fn("add_rms_norm", x.dtype)(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                 x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(N, 2I) -> (N, I): silu(gate) * up."""
+    assert gate_up.is_contiguous()
+    n, two_i = gate_up.shape
+    out = torch.empty(n, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
+    _fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2)
+    return out
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, heads: int, head_dim: int) -> None:
+    """Rotate the first `heads` heads of each row of qkv (N, W) in place; cos, sin: (P, Dh) tables."""
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and positions.dtype == torch.int64
+    positions = positions.contiguous()
+    _fn("rope", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                           qkv.shape[0], heads, qkv.shape[1], head_dim)

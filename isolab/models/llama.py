@@ -233,6 +233,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
+        if self.native_attention:
+            return self._forward_native(token_ids, positions, attn)
         hp = self.hp
         N = token_ids.shape[0]
         H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
@@ -250,6 +252,27 @@ class LlamaModel:
             gate, up = L.w_gate_up(h).chunk(2, dim=-1)
             x = x + L.w_down(F.silu(gate) * up)
         return self._rms_norm(x, self.final_norm)
+
+    def _forward_native(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The same forward with isolab's fused per-row kernels between the GEMMs: 4 native calls and
+        4 GEMMs a layer instead of about 35 torch ops. Same rounding points as the torch path."""
+        hp = self.hp
+        N = token_ids.shape[0]
+        H, Hkv, Dh, eps = hp.num_heads, hp.num_kv_heads, hp.head_dim, hp.rms_eps
+        x = self.embed[token_ids]  # (N, D), our own copy: the residual stream, updated in place
+        h = kernels.rms_norm(x, self.layers[0].attn_norm, eps)
+        for i, L in enumerate(self.layers):
+            qkv = L.wqkv(h)  # (N, (H + 2 Hkv) Dh)
+            kernels.rope_(qkv, self.rope_cos, self.rope_sin, positions, H + Hkv, Dh)  # q and k
+            q = qkv[:, : H * Dh].view(N, H, Dh)
+            k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)
+            v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
+            o = attn.attend(i, q, k, v)  # (N, H, Dh)
+            h = kernels.add_rms_norm_(x, L.wo(o.reshape(N, H * Dh)), L.ffn_norm, eps)
+            down = L.w_down(kernels.silu_mul(L.w_gate_up(h)))
+            norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            h = kernels.add_rms_norm_(x, down, norm, eps)
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

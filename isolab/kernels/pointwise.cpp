@@ -1,0 +1,163 @@
+// Fused per-row pointwise ops of the Llama forward (isolab/models/llama.py, native path).
+//
+// Every output row is computed by one thread, in an order fixed by the row's own length (16-lane
+// partial sums, then the lanes in index order), so a row's bits never depend on the batch.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+namespace {
+
+inline float load(const float* p, long i) { return p[i]; }
+inline float load(const uint16_t* p, long i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float round_to(float, float f) { return f; }
+inline float bf16_round(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float round_to(uint16_t, float f) { return bf16_round(f); }
+inline void store(float* p, long i, float f) { p[i] = f; }
+inline void store(uint16_t* p, long i, float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (uint16_t)((u >> 16) | 0x40); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (uint16_t)(u >> 16);
+}
+
+// exp(x), 16 lanes, x clamped to [-87, 88]; each lane a pure function of itself.
+inline v16f vexp(v16f x) {
+    x = x < -87.0f ? v16f{} - 87.0f : x;
+    x = x > 88.0f ? v16f{} + 88.0f : x;
+    v16f t = x * 1.44269504088896341f;
+    v16f n = (t + 12582912.0f) - 12582912.0f;
+    v16f f = t - n;
+    v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f s;
+    std::memcpy(&s, &e, 64);
+    return p * s;
+}
+
+// sum of squares of row[0..D): 16 lane partial sums in index order, then lanes 0..15 in order
+template <typename T>
+float sum_sq(const T* row, int D) {
+    float lane[16] = {0};
+    int d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int l = 0; l < 16; l++) {
+            float v = load(row, d + l);
+            lane[l] += v * v;
+        }
+    for (; d < D; d++) {
+        float v = load(row, d);
+        lane[d % 16] += v * v;
+    }
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += lane[l];
+    return s;
+}
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)), as Hugging Face's LlamaRMSNorm rounds
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int D, float eps) {
+    const float r = 1.0f / std::sqrt(sum_sq(x, D) / (float)D + eps);
+    for (int d = 0; d < D; d++) store(out, d, load(w, d) * round_to(T{}, load(x, d) * r));
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int N, int D, float eps) {
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) rms_norm_row(x + (long)n * D, w, out + (long)n * D, D, eps);
+}
+
+// x += delta (rounded to T, as a torch add would), then out = rms_norm(x)
+template <typename T>
+void add_rms_norm(T* x, const T* delta, const T* w, T* out, int N, int D, float eps) {
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) {
+        T* xr = x + (long)n * D;
+        const T* dr = delta + (long)n * D;
+        for (int d = 0; d < D; d++) store(xr, d, load(xr, d) + load(dr, d));
+        rms_norm_row(xr, w, out + (long)n * D, D, eps);
+    }
+}
+
+// out[n, i] = silu(gu[n, i]) * gu[n, I + i]; silu rounded to T first, as torch's two ops do
+template <typename T>
+void silu_mul(const T* gu, T* out, int N, int I) {
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) {
+        const T* g = gu + (long)n * 2 * I;
+        const T* u = g + I;
+        T* o = out + (long)n * I;
+        int i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16f gv;
+            for (int l = 0; l < 16; l++) gv[l] = load(g, i + l);
+            v16f e = vexp(v16f{} - gv);
+            v16f s = gv / (1.0f + e);
+            for (int l = 0; l < 16; l++) store(o, i + l, round_to(T{}, s[l]) * load(u, i + l));
+        }
+        for (; i < I; i++) {
+            v16f gv = v16f{} + load(g, i);
+            v16f s = gv / (1.0f + vexp(v16f{} - gv));
+            store(o, i, round_to(T{}, s[0]) * load(u, i));
+        }
+    }
+}
+
+// RoPE (rotate-half) on the first (H + Hkv) heads of each qkv row, in place:
+// x * cos + rotate_half(x) * sin, with cos/sin rows (P, Dh) picked by the row's position
+template <typename T>
+void rope(T* qkv, const T* cos, const T* sin, const int64_t* pos, int N, int heads, int row_stride, int Dh) {
+    const int half = Dh / 2;
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) {
+        const T* c = cos + pos[n] * Dh;
+        const T* s = sin + pos[n] * Dh;
+        for (int h = 0; h < heads; h++) {
+            T* x = qkv + (long)n * row_stride + (long)h * Dh;
+            float tmp[512];
+            for (int d = 0; d < Dh; d++) tmp[d] = load(x, d);
+            for (int d = 0; d < Dh; d++) {
+                const float rot = d < half ? -tmp[d + half] : tmp[d - half];
+                const float a = round_to(T{}, tmp[d] * load(c, d));
+                const float b = round_to(T{}, rot * load(s, d));
+                store(x, d, a + b);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+void isolab_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int N, int D, float eps) { rms_norm(x, w, out, N, D, eps); }
+void isolab_rms_norm_fp32(const float* x, const float* w, float* out, int N, int D, float eps) { rms_norm(x, w, out, N, D, eps); }
+void isolab_add_rms_norm_bf16(uint16_t* x, const uint16_t* dx, const uint16_t* w, uint16_t* out, int N, int D, float eps) { add_rms_norm(x, dx, w, out, N, D, eps); }
+void isolab_add_rms_norm_fp32(float* x, const float* dx, const float* w, float* out, int N, int D, float eps) { add_rms_norm(x, dx, w, out, N, D, eps); }
+void isolab_silu_mul_bf16(const uint16_t* gu, uint16_t* out, int N, int I) { silu_mul(gu, out, N, I); }
+void isolab_silu_mul_fp32(const float* gu, float* out, int N, int I) { silu_mul(gu, out, N, I); }
+void isolab_rope_bf16(uint16_t* qkv, const uint16_t* c, const uint16_t* s, const int64_t* pos, int N, int heads, int stride, int Dh) { rope(qkv, c, s, pos, N, heads, stride, Dh); }
+void isolab_rope_fp32(float* qkv, const float* c, const float* s, const int64_t* pos, int N, int heads, int stride, int Dh) { rope(qkv, c, s, pos, N, heads, stride, Dh); }
+}
