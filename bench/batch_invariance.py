@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from isolab.models.llama import Weight, attention_core  # noqa: E402
+from isolab import kernels  # noqa: E402
+from isolab.models.llama import Weight, attention_core, write_kv  # noqa: E402
 
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536), "lm_head": (49152, 576)}
 SLICES = (1, 2, 3, 4, 5, 8, 9, 17, 64)
@@ -36,29 +37,45 @@ def gemm_mismatches(dtype: torch.dtype, n: int, k: int, make) -> dict[int, int]:
     return out
 
 
-def attention_mismatches(dtype: torch.dtype) -> dict[str, int]:
-    """attention_core (SmolLM2 heads: 3 KV heads, 9 query heads, Dh 64) on the same queries and keys
+def attention_mismatches(dtype: torch.dtype, native: bool) -> dict[str, int]:
+    """Attention (SmolLM2 heads: 3 KV heads, 9 query heads, Dh 64) on the same queries and keys
     grouped three ways: 32 decode rows at once vs each alone, keys padded vs exact, and 40 prompt
-    queries in one chunk vs one at a time (what preemption and prefix hits rely on)."""
+    queries in one chunk vs one at a time (what preemption and prefix hits rely on). `native`:
+    isolab's kernel reading a paged pool; else attention_core over gathered keys (the torch path)."""
     g = torch.Generator().manual_seed(0)
-    hkv, heads, dh, b, s = 3, 9, 64, 32, 160
+    hkv, heads, dh, b, s, bs = 3, 9, 64, 32, 160, 16
     q = torch.randn(b, 1, heads, dh, generator=g).to(dtype)
     k = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
     v = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
     pos = torch.randint(40, 150, (b, 1), generator=g)
-    full = attention_core(q, k, v, pos, dh**-0.5)
+    if native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
+        nb = s // bs
+        pool = torch.zeros(2, hkv, b * nb + 1, bs, dh, dtype=dtype)
+        slots = torch.arange(bs, (b * nb + 1) * bs)
+        write_kv(pool, slots, k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
+        tables = (torch.arange(b * nb, dtype=torch.int32) + 1).view(b, nb)
+
+        def attend(qs, rows, p, width):  # width: keys the table covers (the padding analogue)
+            t = tables[rows][:, : -(-width // bs)].contiguous()
+            out = kernels.paged_attention(qs.view(-1, heads, dh), pool, t,
+                                          torch.arange(len(rows), dtype=torch.int32).repeat_interleave(qs.shape[1]),
+                                          p.view(-1).to(torch.int32), dh**-0.5)
+            return out.view(qs.shape)
+    else:
+        def attend(qs, rows, p, width):
+            return attention_core(qs, k[:, rows, :width], v[:, rows, :width], p, dh**-0.5)
+    full = attend(q, list(range(b)), pos, s)
     batch = padded = 0
     for i in range(b):
         one = slice(i, i + 1)
-        batch += int((attention_core(q[one], k[:, one], v[:, one], pos[one], dh**-0.5) != full[one]).sum())
+        batch += int((attend(q[one], [i], pos[one], s) != full[one]).sum())
         n = -(-(int(pos[i]) + 1) // 16) * 16
-        padded += int((attention_core(q[one], k[:, one, :n], v[:, one, :n], pos[one], dh**-0.5) != full[one]).sum())
+        padded += int((attend(q[one], [i], pos[one], n) != full[one]).sum())
     t = 40
     qq = torch.randn(1, t, heads, dh, generator=g).to(dtype)
-    kk, vv = k[:, :1, :48], v[:, :1, :48]
     tpos = torch.arange(t).view(1, t)
-    chunk = attention_core(qq, kk, vv, tpos, dh**-0.5)
-    split = sum(int((attention_core(qq[:, j : j + 1], kk, vv, tpos[:, j : j + 1], dh**-0.5) != chunk[:, j : j + 1]).sum())
+    chunk = attend(qq, [0], tpos, 48)
+    split = sum(int((attend(qq[:, j : j + 1], [0], tpos[:, j : j + 1], 48) != chunk[:, j : j + 1]).sum())
                 for j in range(t))
     return {"batch_vs_solo": batch, "padded_vs_exact": padded, "chunk_vs_one_by_one": split}
 
@@ -73,10 +90,13 @@ def main() -> None:
                 result["gemm"][f"{name}/{dname}/{opname}"] = r
                 print(f"{name:10} {dname:5} {opname:12} " + " ".join(f"{r[m]:<8}" for m in SLICES))
     result["attention"] = {}
-    print(f"\n{'attention':10} {'dtype':5} {'32 rows vs 1':14} {'padded keys':12} {'40-query chunk vs 1 by 1'}")
-    for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = result["attention"][dname] = attention_mismatches(dt)
-        print(f"{'core':10} {dname:5} {a['batch_vs_solo']:<14} {a['padded_vs_exact']:<12} {a['chunk_vs_one_by_one']}")
+    print(f"\n{'attention':14} {'dtype':5} {'32 rows vs 1':14} {'padded keys':12} {'40-query chunk vs 1 by 1'}")
+    for path, native in (("torch", False), ("native", True)):
+        if native and not kernels.available(torch.device("cpu"), torch.bfloat16, 9, 3, 64):
+            continue
+        for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a = result["attention"][f"{path}/{dname}"] = attention_mismatches(dt, native)
+            print(f"{path:14} {dname:5} {a['batch_vs_solo']:<14} {a['padded_vs_exact']:<12} {a['chunk_vs_one_by_one']}")
     out = Path(__file__).parent / "results" / "batch_invariance.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -112,7 +112,7 @@ class ModelRunner:
         row_chunk: list[int] = []  # native path: the chunk of each row
         last_rows: list[int] = []
         sample_idx: list[int] = []
-        native = self.model.native_attention
+        native = self.model.native_kernels
         dev = self.device
         for ci, ch in enumerate(out.chunks):
             req = ch.request

@@ -3,9 +3,13 @@ fused per-row ops around it (RMSNorm, residual add + RMSNorm, RoPE, SiLU * up).
 
 Built on first use with the system C++ compiler into ~/.cache/isolab/kernels (keyed by the
 source, the flags, the compiler and the CPU), loaded with ctypes, and run on torch's own OpenMP
-threads (the .so links the libgomp that torch has already loaded). Where it cannot be built (no
-compiler, not x86-64 Linux, a GPU tensor), `available()` is False and the model falls back to
-the torch path in `models/llama.py:attention_core`; `ISOLAB_NATIVE_ATTENTION=0` forces that.
+threads (the .so links the libgomp that torch has already loaded). Where they cannot be built
+(no C++ compiler, not Linux) or do not apply (a GPU device), `available()` is False and the model
+runs its torch path (`LlamaModel.forward`'s torch ops and `attention_core`); `ISOLAB_NATIVE=0`
+forces that path.
+
+Every kernel computes one output row per thread in an order fixed by that row alone, which is
+what makes the engine's results independent of the batch in fp32 as well as bf16.
 """
 
 from __future__ import annotations
@@ -47,33 +51,21 @@ def _cpu_id() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("ISOLAB_NATIVE_ATTENTION", "1") == "0":
+    if os.environ.get("ISOLAB_NATIVE", "1") == "0":
         return None
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None or platform.system() != "Linux":
-        log.warning("no C++ compiler: paged attention runs on the torch path (slower)")
+    try:
+        target = build()
+    except (OSError, subprocess.SubprocessError, BuildError) as exc:
+        log.warning("native kernels unavailable, using the torch path (slower): %s", exc)
         return None
-    src = b"\0".join(p.read_bytes() for p in SOURCES)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            res = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
-            if res.returncode != 0:
-                log.warning("building the paged attention kernel failed; using the torch path: %s", res.stderr[-500:])
-                return None
-            os.replace(out, target)  # atomic: concurrent builders each land a whole file
     lib = ctypes.CDLL(str(target))
-    P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     signatures = {
-        "paged_attention": [P, P, P, P, I, P, P, P, I, I, I, L, I, I, F],
-        "rms_norm": [P, P, P, I, I, F],
-        "add_rms_norm": [P, P, P, P, I, I, F],
-        "silu_mul": [P, P, I, I],
-        "rope": [P, P, P, P, I, I, I, I],
+        "paged_attention": [ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32, f32],
+        "rms_norm": [ptr, ptr, ptr, i32, i32, f32],
+        "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
+        "silu_mul": [ptr, ptr, i32, i32],
+        "rope": [ptr, ptr, ptr, ptr, i32, i32, i32, i32],
     }
     for name, args in signatures.items():
         for suffix in ("bf16", "fp32"):
@@ -87,6 +79,32 @@ def _fn(name: str, dtype: torch.dtype):  # the bf16 or fp32 entry point
     lib = _library()
     assert lib is not None
     return getattr(lib, f"isolab_{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def build(cxx: str | None = None, cache_dir: Path | None = None) -> Path:
+    """Compile the kernels (once per source, flags, compiler and CPU) and return the .so path."""
+    found = shutil.which(cxx or os.environ.get("CXX", "g++"))
+    if found is None or platform.system() != "Linux":
+        raise BuildError(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on {platform.system()}")
+    src = b"\0".join(p.read_bytes() for p in SOURCES)
+    version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    target = (cache_dir or _cache_dir()) / f"isolab-kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        res = subprocess.run([found, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
+                             timeout=600)
+        if res.returncode != 0:
+            raise BuildError(f"{found} failed: {res.stderr.strip()[-800:]}")
+        os.replace(out, target)  # atomic: concurrent builders each land a whole file
+    return target
 
 
 def available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

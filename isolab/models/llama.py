@@ -186,7 +186,9 @@ class DenseKV:
 class LlamaModel:
     """Weights plus the forward; stateless between calls (all K/V lives in the backend)."""
 
-    def __init__(self, loaded: LoadedGGUF, dtype: str = "bf16", device: str | torch.device = "cpu") -> None:
+    def __init__(self, loaded: LoadedGGUF, dtype: str = "bf16", device: str | torch.device = "cpu",
+                 native: bool | None = None) -> None:
+        """native: run isolab's native kernels (None: wherever they build and apply; False: torch ops)."""
         hp = loaded.hparams
         self.hp = hp
         self.dtype = TORCH_DTYPES[dtype]
@@ -218,7 +220,10 @@ class LlamaModel:
         self.rope_cos = emb.cos().to(self.device, self.dtype)
         self.rope_sin = emb.sin().to(self.device, self.dtype)
         # Attention reads K/V with isolab's native paged kernel where it builds (CPU), else torch.
-        self.native_attention = kernels.available(self.device, self.dtype, hp.num_heads, hp.num_kv_heads, hp.head_dim)
+        can = kernels.available(self.device, self.dtype, hp.num_heads, hp.num_kv_heads, hp.head_dim)
+        if native and not can:
+            raise ValueError("native kernels were asked for but do not build or apply here (see isolab/kernels)")
+        self.native_kernels = can if native is None else native
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -233,7 +238,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
-        if self.native_attention:
+        if self.native_kernels:
             return self._forward_native(token_ids, positions, attn)
         hp = self.hp
         N = token_ids.shape[0]
@@ -284,6 +289,6 @@ class LlamaModel:
         """The naive path: the whole sequence in one forward, dense K/V. (T,) -> (T, V) float32."""
         ids = torch.tensor(token_ids, device=self.device)
         pos = torch.arange(len(token_ids), device=self.device)
-        kv = DenseKV(self.hp, len(token_ids), self.dtype, self.device, self.native_attention)
+        kv = DenseKV(self.hp, len(token_ids), self.dtype, self.device, self.native_kernels)
         kv.q_pos = pos
         return self.logits(self.forward(ids, pos, kv))

@@ -1,0 +1,164 @@
+"""isolab's native kernels (isolab/kernels) against the torch ops they replace, their reads of
+the paged pool (only keys 0..pos, only the row's own table), row independence, and the fallback
+when they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isolab import kernels
+from isolab.models.llama import attention_core, gather_kv, write_kv
+
+DTYPES = {"bf16": (torch.bfloat16, 2e-2), "fp32": (torch.float32, 2e-5)}
+CPU = torch.device("cpu")
+
+
+def test_kernels_build_here():
+    """CI must run the native path, not silently the fallback: a C++ compiler is part of the setup."""
+    assert kernels.available(CPU, torch.bfloat16, 9, 3, 64)
+    assert kernels.available(CPU, torch.float32, 4, 2, 16)
+    assert not kernels.available(torch.device("meta"), torch.bfloat16, 9, 3, 64)
+
+
+def _pool(dtype, hkv, dh, bs, num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.zeros(2, hkv, num_blocks, bs, dh, dtype=dtype)
+    slots = torch.arange(bs, num_blocks * bs)  # block 0 stays the null block
+    k = torch.randn(len(slots), hkv, dh, generator=g).to(dtype)
+    v = torch.randn(len(slots), hkv, dh, generator=g).to(dtype)
+    write_kv(kv, slots, k, v)
+    return kv
+
+
+def _case(dtype, heads, hkv, dh, bs, rows=12, nb=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = rows * nb + 1
+    kv = _pool(dtype, hkv, dh, bs, num_blocks, seed)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: rows * nb] + 1).view(rows, nb).to(torch.int32)
+    pos = torch.randint(0, nb * bs, (rows,), generator=g).to(torch.int32)
+    q = torch.randn(rows, heads, dh, generator=g).to(dtype)
+    return q, kv, tables, pos
+
+
+def _torch_reference(q, kv, tables, pos):
+    _, hkv, num_blocks, bs, dh = kv.shape
+    rows, nb = tables.shape
+    ids = tables.long().view(-1)
+    planes = torch.arange(2 * hkv).view(-1, 1) * num_blocks
+    k, v = gather_kv(kv, (planes + ids).view(-1), rows)
+    return attention_core(q.view(rows, 1, *q.shape[1:]), k, v, pos.long().view(rows, 1), dh**-0.5).view(q.shape)
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+@pytest.mark.parametrize("heads,hkv,dh,bs", [(9, 3, 64, 16), (4, 2, 16, 16), (6, 3, 32, 8), (4, 4, 64, 16)])
+def test_paged_attention_matches_the_torch_path(dname, heads, hkv, dh, bs):
+    dtype, tol = DTYPES[dname]
+    q, kv, tables, pos = _case(dtype, heads, hkv, dh, bs)
+    rows = q.shape[0]
+    out = kernels.paged_attention(q, kv, tables, torch.arange(rows, dtype=torch.int32), pos, dh**-0.5)
+    ref = _torch_reference(q, kv, tables, pos)
+    assert (out.float() - ref.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_a_row_gets_the_same_bits_alone_in_a_batch_or_in_a_chunk(dname):
+    dtype, _ = DTYPES[dname]
+    q, kv, tables, pos = _case(dtype, 9, 3, 64, 16, rows=16)
+    rows = q.shape[0]
+    every = torch.arange(rows, dtype=torch.int32)
+    batch = kernels.paged_attention(q, kv, tables, every, pos, 0.125)
+    for r in range(rows):
+        alone = kernels.paged_attention(q[r : r + 1], kv, tables[r : r + 1], torch.zeros(1, dtype=torch.int32),
+                                        pos[r : r + 1], 0.125)
+        assert torch.equal(alone, batch[r : r + 1])
+    # a prompt's queries as one chunk (all rows share table 0) vs one at a time
+    chunk_pos = torch.arange(40, dtype=torch.int32)
+    qs = q[:1].expand(40, -1, -1).contiguous() + torch.linspace(0, 1, 40).view(40, 1, 1).to(dtype)
+    chunk = kernels.paged_attention(qs, kv, tables[:1], torch.zeros(40, dtype=torch.int32), chunk_pos, 0.125)
+    for t in range(40):
+        one = kernels.paged_attention(qs[t : t + 1], kv, tables[:1], torch.zeros(1, dtype=torch.int32),
+                                      chunk_pos[t : t + 1], 0.125)
+        assert torch.equal(one, chunk[t : t + 1])
+
+
+def test_only_keys_up_to_the_position_in_the_rows_own_table_are_read():
+    """Poison (NaN) everything a row must not see: later slots of its last block, the blocks after
+    it in its table, and every block of other rows' tables. Its output stays finite; poisoning a
+    slot it does see makes only that row NaN."""
+    q, kv, tables, pos = _case(torch.bfloat16, 9, 3, 64, 16, rows=4, nb=4)
+    bs = 16
+    pos = torch.tensor([20, 5, 47, 33], dtype=torch.int32)
+    every = torch.arange(4, dtype=torch.int32)
+    kvp = kv.clone()
+    for r in range(4):
+        p = int(pos[r])
+        last = int(tables[r, p // bs])
+        kvp[1, :, last, p % bs + 1 :] = float("nan")
+        kvp[0, :, last].view(3, 64, bs)[:, :, p % bs + 1 :] = float("nan")
+        for b in tables[r, p // bs + 1 :].tolist():
+            kvp[:, :, b] = float("nan")
+    clean = kernels.paged_attention(q, kv, tables, every, pos, 0.125)
+    fenced = kernels.paged_attention(q, kvp, tables, every, pos, 0.125)
+    assert torch.equal(clean, fenced)
+    kvp[1, :, int(tables[2, 0]), 3] = float("nan")  # a key row 2 does see
+    hit = kernels.paged_attention(q, kvp, tables, every, pos, 0.125)
+    assert torch.isnan(hit[2]).all() and not torch.isnan(hit[[0, 1, 3]]).any()
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_fused_row_ops_match_torch(dname):
+    dtype, tol = DTYPES[dname]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    eps = 1e-5
+
+    def ref_norm(t):
+        tf = t.float()
+        return w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+    assert (kernels.rms_norm(x, w, eps).float() - ref_norm(x).float()).abs().max() < tol * 4
+    resid, delta = x.clone(), torch.randn(7, 576, generator=g).to(dtype)
+    out = kernels.add_rms_norm_(resid, delta, w, eps)
+    assert torch.equal(resid, x + delta)  # the residual stream, rounded as torch rounds it
+    assert (out.float() - ref_norm(x + delta).float()).abs().max() < tol * 4
+
+    gu = (3 * torch.randn(5, 2 * 1536, generator=g)).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    assert (kernels.silu_mul(gu).float() - (F.silu(gate) * up).float()).abs().max() < tol * 8
+
+    heads, dh, width = 12, 64, 15 * 64
+    qkv = torch.randn(6, width, generator=g).to(dtype)
+    positions = torch.tensor([0, 1, 7, 100, 511, 3])
+    inv = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
+    emb = torch.cat([torch.outer(torch.arange(512).float(), inv)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    rotated = qkv.clone()
+    kernels.rope_(rotated, cos, sin, positions, heads, dh)
+    xs = qkv[:, : heads * dh].view(6, heads, dh)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    ref = xs * c + torch.cat([-xs[..., dh // 2 :], xs[..., : dh // 2]], dim=-1) * s
+    assert (rotated[:, : heads * dh].view(6, heads, dh).float() - ref.float()).abs().max() < tol * 4
+    assert torch.equal(rotated[:, heads * dh :], qkv[:, heads * dh :])  # v untouched
+
+
+def test_build_failure_is_a_clear_error(tmp_path):
+    with pytest.raises(kernels.BuildError, match="no C"):
+        kernels.build(cxx=str(tmp_path / "no-such-g++"), cache_dir=tmp_path)
+
+
+def test_without_a_compiler_the_engine_runs_the_torch_path(tmp_path, tiny_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    code = ("import sys; from isolab.llm import LLM; from isolab.sampling_params import SamplingParams as S; "
+            "llm = LLM(model=sys.argv[1], dtype='bf16'); assert not llm.engine.model.native_kernels; "
+            "print(llm.generate([[5, 6, 7]], S(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids)")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_path)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "native kernels unavailable" in out.stderr and "no C++ compiler" in out.stderr
