@@ -62,10 +62,11 @@ class PagedAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh); K blocks stored (Dh, bs)
-        write_kv(kv, self.slot_mapping, k, v)
         if self.native is not None:
             n = self.native
-            return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale)
+            return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,
+                                           new_kv=(k, v, self.slot_mapping))
+        write_kv(kv, self.slot_mapping, k, v)
         if len(self.groups) == 1 and self.groups[0].covers_all:
             g = self.groups[0]
             kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0])

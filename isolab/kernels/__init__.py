@@ -61,7 +61,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     signatures = {
-        "paged_attention": [ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32, f32],
+        "paged_attention": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32,
+                            f32],
         "rms_norm": [ptr, ptr, ptr, i32, i32, f32],
         "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
         "silu_mul": [ptr, ptr, i32, i32],
@@ -120,16 +121,27 @@ def paged_attention(
     row_table: torch.Tensor,  # (N,) int32: which table each row reads
     q_pos: torch.Tensor,  # (N,) int32: row n attends to keys 0..q_pos[n], all inside its table
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v (N, Hkv, Dh), slots (N,) int64
 ) -> torch.Tensor:  # (N, H, Dh)
-    q = q.contiguous()
+    """Write this step's K/V (if given) into the pool, then attend: one native call.
+
+    q, k and v may be row views of one (N, W) buffer (the qkv GEMM's output): they must share the
+    row stride and have each head's Dh values contiguous."""
     N, H, Dh = q.shape
     _, hkv, nb, bs, _ = kv.shape
-    assert kv.is_contiguous() and q.dtype == kv.dtype
+    assert kv.is_contiguous() and q.dtype == kv.dtype and q.stride(2) == 1 and q.stride(1) == Dh
     assert tables.dtype == row_table.dtype == q_pos.dtype == torch.int32 and tables.is_contiguous()
-    out = torch.empty_like(q)
-    _fn("paged_attention", q.dtype)(q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), tables.data_ptr(),
-                                    tables.shape[1], row_table.data_ptr(), q_pos.data_ptr(), out.data_ptr(),
-                                    N, H, hkv, nb, bs, Dh, scale)
+    k_ptr = v_ptr = slots_ptr = None
+    if new_kv is not None:
+        k, v, slots = new_kv
+        assert k.stride()[1:] == v.stride()[1:] == (Dh, 1) and slots.dtype == torch.int64
+        assert N == 1 or k.stride(0) == v.stride(0) == q.stride(0), "q, k, v must share a row stride"
+        assert slots.is_contiguous() and k.dtype == v.dtype == q.dtype
+        k_ptr, v_ptr, slots_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
+    out = torch.empty(N, H, Dh, dtype=q.dtype, device=q.device)
+    _fn("paged_attention", q.dtype)(q.data_ptr(), k_ptr, v_ptr, q.stride(0), slots_ptr, kv[0].data_ptr(),
+                                    kv[1].data_ptr(), tables.data_ptr(), tables.shape[1], row_table.data_ptr(),
+                                    q_pos.data_ptr(), out.data_ptr(), N, H, hkv, nb, bs, Dh, scale)
     return out
 
 

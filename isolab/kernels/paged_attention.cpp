@@ -176,20 +176,39 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
 }
 
 template <typename T>
-static void attend_all(const T* q, const T* kplane, const T* vplane, const int32_t* tables, int table_len,
-                       const int32_t* row_table, const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB,
-                       int bs, int Dh, float scale) {
+static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, T* kplane,
+                       T* vplane, const int32_t* tables, int table_len, const int32_t* row_table,
+                       const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB, int bs, int Dh, float scale) {
     const int G = H / Hkv;
     int max_len = 0;
     for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
     const int Lpad = ((max_len + bs - 1) / bs * bs + 15) / 16 * 16;
 #pragma omp parallel
     {
+        // 1. this step's K/V into their slots (K transposed inside its block); all rows are
+        //    written before any row reads, since a prompt chunk's rows read each other's keys
+        if (slots != nullptr) {
+#pragma omp for schedule(static)
+            for (long n = 0; n < N; n++) {
+                const long blk = slots[n] / bs, off = slots[n] % bs;
+                for (int h = 0; h < Hkv; h++) {
+                    const T* kr = k_new + n * qs + (long)h * Dh;
+                    const T* vr = v_new + n * qs + (long)h * Dh;
+                    T* kb = kplane + ((long)h * NB + blk) * Dh * bs + off;
+                    T* vb = vplane + (((long)h * NB + blk) * bs + off) * Dh;
+                    for (int d = 0; d < Dh; d++) {
+                        kb[(long)d * bs] = kr[d];
+                        vb[d] = vr[d];
+                    }
+                }
+            }
+        }
+        // 2. attention, one (row, KV head) per task
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < (long)N * Hkv; task++) {
             const int n = (int)(task / Hkv), h = (int)(task % Hkv);
-            const T* qr = q + ((long)n * H + (long)h * G) * Dh;
+            const T* qr = q + n * qs + (long)h * G * Dh;
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
@@ -211,16 +230,22 @@ static void attend_all(const T* q, const T* kplane, const T* vplane, const int32
 }
 
 extern "C" {
-// q, out: (N, H, Dh); tables: (R, table_len) block ids; row_table: (N,) which table each row uses;
-// q_pos: (N,) absolute position of each query (it sees keys 0..q_pos).
-void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables,
+// q, k_new, v_new: rows of one (N, W) buffer with row stride qs elements (q: H heads, k and v:
+// Hkv heads, each Dh contiguous); slots: (N,) flat slot of each row's new K/V, or null to write
+// nothing; out: (N, H, Dh) contiguous; tables: (R, table_len) block ids; row_table: (N,) which
+// table each row uses; q_pos: (N,) the row sees keys 0..q_pos.
+void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, long qs,
+                                 const int64_t* slots, uint16_t* k, uint16_t* v, const int32_t* tables,
                                  int table_len, const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N,
                                  int H, int Hkv, long NB, int bs, int Dh, float scale) {
-    attend_all<uint16_t>(q, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB, bs, Dh, scale);
+    attend_all<uint16_t>(q, k_new, v_new, qs, slots, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
+                         bs, Dh, scale);
 }
-void isolab_paged_attention_fp32(const float* q, const float* k, const float* v, const int32_t* tables,
-                                 int table_len, const int32_t* row_table, const int32_t* q_pos, float* out, int N,
-                                 int H, int Hkv, long NB, int bs, int Dh, float scale) {
-    attend_all<float>(q, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB, bs, Dh, scale);
+void isolab_paged_attention_fp32(const float* q, const float* k_new, const float* v_new, long qs,
+                                 const int64_t* slots, float* k, float* v, const int32_t* tables, int table_len,
+                                 const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H, int Hkv,
+                                 long NB, int bs, int Dh, float scale) {
+    attend_all<float>(q, k_new, v_new, qs, slots, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
+                      bs, Dh, scale);
 }
 }

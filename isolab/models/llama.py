@@ -169,10 +169,9 @@ class DenseKV:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.q_pos is not None
         if self.native:
-            kv = self.pool[layer]
-            write_kv(kv, self.q_pos, k, v)
             pos = self.q_pos.to(torch.int32)
-            return kernels.paged_attention(q, kv, self.table, torch.zeros_like(pos), pos, self.scale)
+            return kernels.paged_attention(q, self.pool[layer], self.table, torch.zeros_like(pos), pos, self.scale,
+                                           new_kv=(k, v, self.q_pos))
         old_k, old_v = self.k[layer], self.v[layer]
         new_k = k if old_k is None else torch.cat([old_k, k])
         new_v = v if old_v is None else torch.cat([old_v, v])

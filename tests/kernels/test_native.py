@@ -162,3 +162,26 @@ def test_without_a_compiler_the_engine_runs_the_torch_path(tmp_path, tiny_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "native kernels unavailable" in out.stderr and "no C++ compiler" in out.stderr
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_fused_write_equals_write_kv_then_attend(dname):
+    """The kernel's own K/V write (rows of the qkv buffer, into slots) lands the same bytes as
+    llama.write_kv, and a prompt chunk's rows see the keys written in the same call."""
+    dtype, _ = DTYPES[dname]
+    heads, hkv, dh, bs, n = 9, 3, 64, 16, 37
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(n, (heads + 2 * hkv) * dh, generator=g).to(dtype)
+    q = qkv[:, : heads * dh].view(n, heads, dh)
+    k = qkv[:, heads * dh : (heads + hkv) * dh].view(n, hkv, dh)
+    v = qkv[:, (heads + hkv) * dh :].view(n, hkv, dh)
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)])
+    pos = torch.arange(n, dtype=torch.int32)
+    rows = torch.zeros(n, dtype=torch.int32)
+    fused_pool = torch.zeros(2, hkv, 8, bs, dh, dtype=dtype)
+    fused = kernels.paged_attention(q, fused_pool, table, rows, pos, 0.125, new_kv=(k, v, slots))
+    pool = torch.zeros(2, hkv, 8, bs, dh, dtype=dtype)
+    write_kv(pool, slots, k, v)
+    assert torch.equal(fused_pool, pool)
+    assert torch.equal(fused, kernels.paged_attention(q.contiguous(), pool, table, rows, pos, 0.125))
