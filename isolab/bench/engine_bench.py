@@ -35,7 +35,9 @@ def run_engine_bench(engine: LLMEngine, wl: Workload, concurrency: int, *, warmu
     tok = engine.tokenizer
     prompt_ids = [tok.encode(p) for p in wl.prompts]
     if warmup:  # one short request: first-call costs (allocator, kernels) out of the measurement
-        engine.add_request("warmup", prompt_ids[0][:16], SamplingParams(max_tokens=2, temperature=0))
+        # its own text, not a workload prompt's start: the warm-up must not seed the prefix cache
+        engine.add_request("warmup", tok.encode("Warm-up: not part of the workload."),
+                           SamplingParams(max_tokens=2, temperature=0))
         while engine.has_unfinished():
             engine.step()
     q0, h0 = engine.kv.num_query_tokens, engine.kv.num_hit_tokens
@@ -82,8 +84,8 @@ def run_engine_bench(engine: LLMEngine, wl: Workload, concurrency: int, *, warmu
     }
 
 
-def run_hf_bench(model_path: str, dtype: str, wl: Workload, batch_size: int) -> dict:
-    """transformers' batched generate: static batches of `batch_size`, left-padded, greedy."""
+def load_hf(model_path: str | None, dtype: str):
+    """transformers' model and tokenizer from the same GGUF, left padding for batched generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from isolab.models.locate import resolve_model_path
@@ -95,6 +97,15 @@ def run_hf_bench(model_path: str, dtype: str, wl: Workload, batch_size: int) -> 
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=tdtype).eval()
+    with torch.inference_mode():  # first-call costs out of the measurement, as the engine's warm-up does
+        model.generate(**tok(["warm up"], return_tensors="pt"), max_new_tokens=2, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
+    return model, tok
+
+
+def run_hf_bench(model_path: str | None, dtype: str, wl: Workload, batch_size: int, loaded=None) -> dict:
+    """transformers' batched generate: static batches of `batch_size`, left-padded, greedy."""
+    model, tok = loaded or load_hf(model_path, dtype)
     total = 0
     ttfts: list[float] = []
     t0 = time.perf_counter()

@@ -141,17 +141,26 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
         }
     }
     float sum[G];
+    const int full = L / 16 * 16;  // keys in whole 16-lane chunks; the rest are summed lane by lane
     for (int g = 0; g < G; g++) {
         float* s = sc + (long)g * Lpad;
-        float m = s[0];
-        for (int k = 1; k < L; k++) m = (s[k] > m || s[k] != s[k]) ? s[k] : m;  // NaN wins
-        for (int k = L; k < Lpad; k++) s[k] = m;
-        for (int k = 0; k < Lpad; k += 16) {
-            v16f x = vexp(load16(s + k) - m);
-            std::memcpy(s + k, &x, 64);
+        for (int k = L; k < Lpad; k++) s[k] = s[0];  // lanes past L: a visible score, never summed
+        v16f mv = load16(s);
+        for (int k = 16; k < Lpad; k += 16) {
+            const v16f x = load16(s + k);
+            mv = (x > mv || x != x) ? x : mv;  // NaN wins
         }
+        float m = mv[0];
+        for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
+        v16f acc = v16f{};
+        for (int k = 0; k < Lpad; k += 16) {
+            const v16f x = vexp(load16(s + k) - m);
+            std::memcpy(s + k, &x, 64);
+            if (k < full) acc += x;
+        }
+        for (int k = full; k < L; k++) acc[k % 16] += s[k];
         float t = 0.0f;
-        for (int k = 0; k < L; k++) t += s[k];
+        for (int l = 0; l < 16; l++) t += acc[l];  // lanes in order: fixed by L alone
         sum[g] = t;
     }
     v16f o[G][4];
