@@ -39,6 +39,41 @@ inline void store(uint16_t* p, long i, float f) {
     p[i] = (uint16_t)(u >> 16);
 }
 
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+    v16f x;
+    std::memcpy(&x, p, 64);
+    return x;
+}
+inline v16f load16(const uint16_t* p) {
+    v16h h;
+    std::memcpy(&h, p, 32);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f x;
+    std::memcpy(&x, &u, 64);
+    return x;
+}
+// bf16 bits of each lane, rounded to nearest even (NaN stays NaN), as store() does one at a time
+inline v16u bf16_bits(v16f x) {
+    v16u u;
+    std::memcpy(&u, &x, 64);
+    const v16u nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return nan ? ((u >> 16) | 0x40u) : r;
+}
+inline v16f round16(float, v16f x) { return x; }
+inline v16f round16(uint16_t, v16f x) {
+    v16u u = bf16_bits(x) << 16;
+    std::memcpy(&x, &u, 64);
+    return x;
+}
+inline void store16(float* p, v16f x) { std::memcpy(p, &x, 64); }
+inline void store16(uint16_t* p, v16f x) {
+    v16h h = __builtin_convertvector(bf16_bits(x), v16h);
+    std::memcpy(p, &h, 32);
+}
+
 // exp(x), 16 lanes, x clamped to [-87, 88]; each lane a pure function of itself.
 inline v16f vexp(v16f x) {
     x = x < -87.0f ? v16f{} - 87.0f : x;
@@ -81,7 +116,9 @@ float sum_sq(const T* row, int D) {
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int D, float eps) {
     const float r = 1.0f / std::sqrt(sum_sq(x, D) / (float)D + eps);
-    for (int d = 0; d < D; d++) store(out, d, load(w, d) * round_to(T{}, load(x, d) * r));
+    int d = 0;
+    for (; d + 16 <= D; d += 16) store16(out + d, load16(w + d) * round16(T{}, load16(x + d) * r));
+    for (; d < D; d++) store(out, d, load(w, d) * round_to(T{}, load(x, d) * r));
 }
 
 template <typename T>
@@ -97,7 +134,9 @@ void add_rms_norm(T* x, const T* delta, const T* w, T* out, int N, int D, float 
     for (int n = 0; n < N; n++) {
         T* xr = x + (long)n * D;
         const T* dr = delta + (long)n * D;
-        for (int d = 0; d < D; d++) store(xr, d, load(xr, d) + load(dr, d));
+        int d = 0;
+        for (; d + 16 <= D; d += 16) store16(xr + d, load16(xr + d) + load16(dr + d));
+        for (; d < D; d++) store(xr, d, load(xr, d) + load(dr, d));
         rms_norm_row(xr, w, out + (long)n * D, D, eps);
     }
 }
@@ -112,11 +151,9 @@ void silu_mul(const T* gu, T* out, int N, int I) {
         T* o = out + (long)n * I;
         int i = 0;
         for (; i + 16 <= I; i += 16) {
-            v16f gv;
-            for (int l = 0; l < 16; l++) gv[l] = load(g, i + l);
-            v16f e = vexp(v16f{} - gv);
-            v16f s = gv / (1.0f + e);
-            for (int l = 0; l < 16; l++) store(o, i + l, round_to(T{}, s[l]) * load(u, i + l));
+            const v16f gv = load16(g + i);
+            const v16f s = gv / (1.0f + vexp(v16f{} - gv));
+            store16(o + i, round16(T{}, s) * load16(u + i));
         }
         for (; i < I; i++) {
             v16f gv = v16f{} + load(g, i);
