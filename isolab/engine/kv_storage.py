@@ -1,7 +1,8 @@
 """Owns the K/V tensors of the paged pool: one (2, Hkv, num_blocks, block_size, Dh) tensor per layer.
 
-Head-major, so that gathering a request's blocks copies whole 2 KiB rows and attention reads
-(Hkv, B, S, Dh) without another copy.
+Head-major: each (head, block) is one contiguous run of block_size * Dh values, laid out inside
+for the attention kernel's dot products (models/llama.py:write_kv says how); the torch path
+gathers whole runs with one index_select.
 
 Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.
 """

@@ -61,7 +61,7 @@ class PagedAttention:
         self.groups = groups
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh); K blocks stored (Dh, bs)
+        kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them
         if self.native is not None:
             n = self.native
             return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,

@@ -116,7 +116,7 @@ def available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_h
 
 def paged_attention(
     q: torch.Tensor,  # (N, H, Dh) queries, one per row
-    kv: torch.Tensor,  # (2, Hkv, num_blocks, bs, Dh) one layer's pool; K blocks hold (Dh, bs) (llama.write_kv)
+    kv: torch.Tensor,  # (2, Hkv, num_blocks, bs, Dh) one layer's pool, blocks as llama.write_kv lays them
     tables: torch.Tensor,  # (R, table_len) int32 block tables
     row_table: torch.Tensor,  # (N,) int32: which table each row reads
     q_pos: torch.Tensor,  # (N,) int32: row n attends to keys 0..q_pos[n], all inside its table

@@ -1,8 +1,10 @@
 // Paged attention over isolab's KV pool, one query row at a time: the cache's read path.
 //
-// Layout of one layer's pool (isolab/engine/kv_storage.py):
-//   K plane: (Hkv, num_blocks, Dh, bs)  keys transposed inside a block, so 16 keys are one vector
-//   V plane: (Hkv, num_blocks, bs, Dh)
+// Layout of one layer's pool (isolab/engine/kv_storage.py, models/llama.py:write_kv): per (KV head,
+// block) a K block and a V block of bs * Dh values each, laid out for the dot products that read them:
+//   fp32: K (Dh, bs): 16 keys of one dimension are one vector; V (bs, Dh)
+//   bf16: K (Dh/2, bs, 2) and V (bs/2, Dh, 2): the pairs that one AVX512-BF16 dot product takes
+//         (two dimensions of one key, or one dimension of two keys) side by side
 // Each (query row, kv head) is computed by one thread, in a fixed order that depends only on the
 // row's own query, its keys 0..pos and its block table: never on the batch, the chunking or
 // padding. That is what makes a row's bits independent of what else runs (issue 3, item 7).
@@ -28,6 +30,19 @@ static inline void store(uint16_t* p, long i, float f) {  // round to nearest ev
     if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (uint16_t)((u >> 16) | 0x40); return; }
     u += 0x7fffu + ((u >> 16) & 1u);
     p[i] = (uint16_t)(u >> 16);
+}
+
+// offset of K element (dimension d, key j) and V element (key j, dimension d) inside a block
+static inline long kidx(const float*, int d, int j, int bs) { return (long)d * bs + j; }
+static inline long kidx(const uint16_t*, int d, int j, int bs) { return ((long)(d >> 1) * bs + j) * 2 + (d & 1); }
+static inline long vidx(const float*, int j, int d, int Dh) { return (long)j * Dh + d; }
+static inline long vidx(const uint16_t*, int j, int d, int Dh) { return ((long)(j >> 1) * Dh + d) * 2 + (j & 1); }
+
+static inline uint32_t bf16_bits(float f) {  // round to nearest even, as store() does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
 // exp(x) for x <= 0, 16 lanes; a pure function of each lane (no lane sees another).
@@ -69,7 +84,7 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
             const float* qg = qf + g * Dh;
             for (int d = 0; d < Dh; d++) {
                 const float qd = qg[d];
-                for (int j = 0; j < bs; j++) acc[j] += qd * load(kb, (long)d * bs + j);
+                for (int j = 0; j < bs; j++) acc[j] += qd * load(kb, kidx(kb, d, j, bs));
             }
             float* s = sc + (long)g * Lpad + (long)i * bs;
             for (int j = 0; j < bs; j++) s[j] = acc[j] * scale;
@@ -91,10 +106,9 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
         float acc[256];
         for (int d = 0; d < Dh; d++) acc[d] = 0.0f;
         for (int k = 0; k < L; k++) {
-            const long blk = table[k / bs];
-            const T* vr = vplane + (((long)h * NB + blk) * bs + (k % bs)) * Dh;
+            const T* vb = vplane + ((long)h * NB + table[k / bs]) * bs * Dh;
             const float p = s[k];
-            for (int d = 0; d < Dh; d++) acc[d] += p * load(vr, d);
+            for (int d = 0; d < Dh; d++) acc[d] += p * load(vb, vidx(vb, k % bs, d, Dh));
         }
         const float inv = 1.0f / sum;
         for (int d = 0; d < Dh; d++) store(out, (long)g * Dh + d, acc[d] * inv);
@@ -184,6 +198,117 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
     }
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+// bf16, bs = 16, Dh = 64: the same steps as attend_row_fast, with AVX512-BF16 dot products over
+// the paired layouts. Scores: 32 dimension pairs, each one instruction per query head for 16
+// keys. P.V: probabilities rounded to bf16 (as transformers rounds them before its matmul), two
+// keys per instruction; an odd last key is added on its own, in fp32.
+template <int G>
+static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uint16_t* vplane,
+                            const int32_t* table, int L, long NB, int h, float scale, uint16_t* out, float* sc,
+                            int Lpad) {
+    constexpr int BS = 16, DH = 64;
+    const int nblk = (L + BS - 1) / BS;
+    uint32_t qp[G][DH / 2];
+    for (int g = 0; g < G; g++) std::memcpy(qp[g], q + g * DH, DH * 2);
+    for (int i = 0; i < nblk; i++) {
+        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        __m512 acc[G];
+        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+        for (int p = 0; p < DH / 2; p++) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * BS * 2);
+            for (int g = 0; g < G; g++) acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32((int)qp[g][p]));
+        }
+        for (int g = 0; g < G; g++)
+            _mm512_storeu_ps(sc + (long)g * Lpad + (long)i * BS, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    }
+    float sum[G];
+    const int full = L / 16 * 16;
+    for (int g = 0; g < G; g++) {
+        float* s = sc + (long)g * Lpad;
+        for (int k = L; k < Lpad; k++) s[k] = s[0];
+        v16f mv = load16(s);
+        for (int k = 16; k < Lpad; k += 16) {
+            const v16f x = load16(s + k);
+            mv = (x > mv || x != x) ? x : mv;
+        }
+        float m = mv[0];
+        for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
+        v16f acc = v16f{};
+        for (int k = 0; k < Lpad; k += 16) {
+            const v16f x = vexp(load16(s + k) - m);
+            std::memcpy(s + k, &x, 64);
+            if (k < full) acc += x;
+        }
+        for (int k = full; k < L; k++) acc[k % 16] += s[k];
+        float t = 0.0f;
+        for (int l = 0; l < 16; l++) t += acc[l];
+        sum[g] = t;
+    }
+    __m512 o[G][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
+    const int even = L & ~1;
+    for (int k = 0; k < even; k += 2) {
+        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
+        const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vb + 64), v3 = (__m512bh)_mm512_loadu_si512(vb + 96);
+        for (int g = 0; g < G; g++) {
+            const float* s = sc + (long)g * Lpad;
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)(bf16_bits(s[k]) | (bf16_bits(s[k + 1]) << 16)));
+            o[g][0] = _mm512_dpbf16_ps(o[g][0], v0, pp);
+            o[g][1] = _mm512_dpbf16_ps(o[g][1], v1, pp);
+            o[g][2] = _mm512_dpbf16_ps(o[g][2], v2, pp);
+            o[g][3] = _mm512_dpbf16_ps(o[g][3], v3, pp);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float acc[DH];
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + c * 16, o[g][c]);
+        if (L & 1) {  // the odd last key, whose pair partner is not visible
+            const int k = L - 1;
+            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
+            uint32_t pb = bf16_bits(sc[(long)g * Lpad + k]) << 16;
+            float p;
+            std::memcpy(&p, &pb, 4);
+            for (int d = 0; d < DH; d++) acc[d] += p * load(vb, vidx(vb, k % BS, d, DH));
+        }
+        const float inv = 1.0f / sum[g];
+        for (int d = 0; d < DH; d++) store(out, (long)g * DH + d, acc[d] * inv);
+    }
+}
+#define ISOLAB_HAVE_BF16_DOT 1
+#else
+#define ISOLAB_HAVE_BF16_DOT 0
+#endif
+
+// The fast paths for bs = 16, Dh = 64 and G query heads per KV head; false: use attend_row.
+template <typename T>
+static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, const int32_t* table, int L, long NB,
+                        int h, float scale, T* out, float* sc, int Lpad) {
+    if constexpr (sizeof(T) == 2) {
+#if ISOLAB_HAVE_BF16_DOT
+        switch (G) {
+            case 1: attend_row_bf16<1>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 2: attend_row_bf16<2>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 3: attend_row_bf16<3>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 4: attend_row_bf16<4>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+        }
+#endif
+        return false;
+    } else {
+        switch (G) {
+            case 1: attend_row_fast<T, 1>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 2: attend_row_fast<T, 2>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 3: attend_row_fast<T, 3>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 4: attend_row_fast<T, 4>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+        }
+        return false;
+    }
+}
+
 template <typename T>
 static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, T* kplane,
                        T* vplane, const int32_t* tables, int table_len, const int32_t* row_table,
@@ -203,11 +328,11 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 for (int h = 0; h < Hkv; h++) {
                     const T* kr = k_new + n * qs + (long)h * Dh;
                     const T* vr = v_new + n * qs + (long)h * Dh;
-                    T* kb = kplane + ((long)h * NB + blk) * Dh * bs + off;
-                    T* vb = vplane + (((long)h * NB + blk) * bs + off) * Dh;
+                    T* kb = kplane + ((long)h * NB + blk) * Dh * bs;
+                    T* vb = vplane + ((long)h * NB + blk) * bs * Dh;
                     for (int d = 0; d < Dh; d++) {
-                        kb[(long)d * bs] = kr[d];
-                        vb[d] = vr[d];
+                        kb[kidx(kb, d, (int)off, bs)] = kr[d];
+                        vb[vidx(vb, (int)off, d, Dh)] = vr[d];
                     }
                 }
             }
@@ -221,15 +346,9 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
-            if (bs == 16 && Dh == 64 && G == 3)
-                attend_row_fast<T, 3>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
-            else if (bs == 16 && Dh == 64 && G == 1)
-                attend_row_fast<T, 1>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
-            else if (bs == 16 && Dh == 64 && G == 2)
-                attend_row_fast<T, 2>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
-            else if (bs == 16 && Dh == 64 && G == 4)
-                attend_row_fast<T, 4>(qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad);
-            else if (bs == 16)
+            if (bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
+                continue;
+            if (bs == 16)
                 attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
             else
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);

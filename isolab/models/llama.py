@@ -126,25 +126,38 @@ def attention_core(
 def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v (N, Hkv, Dh) at flat slots (N,) of one layer's pool (2, Hkv, num_blocks, bs, Dh).
 
-    The layout the native kernel reads: a V block is (bs, Dh); a K block holds the same bytes
-    transposed, (Dh, bs), so that 16 keys of one dimension are one vector load.
+    Each block holds bs * Dh values laid out for the native kernel's dot products (the layout the
+    kernel itself writes, isolab/kernels/paged_attention.cpp):
+      fp32: K block (Dh, bs), so 16 keys of one dimension are one vector; V block (bs, Dh)
+      bf16: K block (Dh/2, bs, 2) and V block (bs/2, Dh, 2): the pairs one AVX512-BF16 dot
+            product takes (two dimensions of one key; one dimension of two keys) side by side
     """
     _, hkv, nb, bs, dh = kv.shape
-    kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
-    kv[0].view(hkv, nb, dh, bs)[:, slots // bs, :, slots % bs] = k  # [h, block, d, offset] <- k[n, h, d]
+    blk, off = slots // bs, slots % bs
+    if kv.dtype == torch.bfloat16:
+        kv[0].view(hkv, nb, dh // 2, bs, 2)[:, blk, :, off, :] = k.view(-1, hkv, dh // 2, 2)  # [h, b, d/2, o, d%2]
+        kv[1].view(hkv, nb, bs // 2, dh, 2)[:, blk, off // 2, :, off % 2] = v  # [h, b, o/2, d, o%2]
+    else:
+        kv[0].view(hkv, nb, dh, bs)[:, blk, :, off] = k  # [h, b, d, o]
+        kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path's read: whole (block, head) rows of kv (2, Hkv, num_blocks, bs, Dh), in the
     order of `rows` (2 * Hkv * B * nb,) as (kv, head, row, table entry) -> K, V (Hkv, B, nb * bs, Dh).
 
-    One index_select along dim 0 of a contiguous view: measured 1.6x faster than two along the
-    block dim. K blocks come back transposed to (bs, Dh), as attention_core wants them."""
+    One index_select along dim 0 of a contiguous view (measured 1.6x faster than two along the
+    block dim), then each block back from write_kv's layout to (bs, Dh), as attention_core wants."""
     _, hkv, num_blocks, bs, dh = kv.shape
     got = kv.view(2 * hkv * num_blocks, bs * dh).index_select(0, rows).view(2, hkv, batch, -1, bs * dh)
     nb = got.shape[3]
-    k = got[0].view(hkv, batch, nb, dh, bs).transpose(-1, -2).reshape(hkv, batch, nb * bs, dh)
-    return k, got[1].view(hkv, batch, nb * bs, dh)
+    if kv.dtype == torch.bfloat16:
+        k = got[0].view(hkv, batch, nb, dh // 2, bs, 2).permute(0, 1, 2, 4, 3, 5)  # -> (.., bs, d/2, 2)
+        v = got[1].view(hkv, batch, nb, bs // 2, dh, 2).permute(0, 1, 2, 3, 5, 4)  # -> (.., o/2, 2, dh)
+    else:
+        k = got[0].view(hkv, batch, nb, dh, bs).transpose(-1, -2)
+        v = got[1]
+    return k.reshape(hkv, batch, nb * bs, dh), v.reshape(hkv, batch, nb * bs, dh)
 
 
 class DenseKV:
