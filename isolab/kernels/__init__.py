@@ -30,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("pointwise.cpp"))
+HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
@@ -91,7 +92,7 @@ def build(cxx: str | None = None, cache_dir: Path | None = None) -> Path:
     found = shutil.which(cxx or os.environ.get("CXX", "g++"))
     if found is None or platform.system() != "Linux":
         raise BuildError(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on {platform.system()}")
-    src = b"\0".join(p.read_bytes() for p in SOURCES)
+    src = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"isolab-kernels-{key}.so"

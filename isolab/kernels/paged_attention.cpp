@@ -13,24 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline float load(const float* p, long i) { return p[i]; }
-static inline float load(const uint16_t* p, long i) {
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-static inline void store(float* p, long i, float f) { p[i] = f; }
-static inline void store(uint16_t* p, long i, float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-}
+#include "simd.h"
 
 // offset of K element (dimension d, key j) and V element (key j, dimension d) inside a block
 static inline long kidx(const float*, int d, int j, int bs) { return (long)d * bs + j; }
@@ -38,32 +21,29 @@ static inline long kidx(const uint16_t*, int d, int j, int bs) { return ((long)(
 static inline long vidx(const float*, int j, int d, int Dh) { return (long)j * Dh + d; }
 static inline long vidx(const uint16_t*, int j, int d, int Dh) { return ((long)(j >> 1) * Dh + d) * 2 + (j & 1); }
 
-static inline uint32_t bf16_bits(float f) {  // round to nearest even, as store() does
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
-// exp(x) for x <= 0, 16 lanes; a pure function of each lane (no lane sees another).
-static inline v16f vexp(v16f x) {
-    const v16f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f,
-                     -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    x = x < lo ? lo : x;
-    v16f t = x * 1.44269504088896341f;
-    v16f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
-    v16f f = t - n;                             // [-0.5, 0.5]
-    // 2^f, minimax degree 6
-    v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f scale;
-    std::memcpy(&scale, &e, 64);
-    return p * scale;
+// Softmax of one head's scores s[0..L) in place, unnormalized: s[k] = exp(s[k] - max); returns
+// the sum. Lanes L..Lpad are filled with a visible score and never summed. The sum is 16 lane
+// partials in index order, then the lanes in order: fixed by L alone.
+static inline float softmax_row(float* s, int L, int Lpad) {
+    for (int k = L; k < Lpad; k++) s[k] = s[0];
+    v16f mv = load16(s);
+    for (int k = 16; k < Lpad; k += 16) {
+        const v16f x = load16(s + k);
+        mv = (x > mv || x != x) ? x : mv;  // NaN wins
+    }
+    float m = mv[0];
+    for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
+    const int full = L / 16 * 16;
+    v16f acc = v16f{};
+    for (int k = 0; k < Lpad; k += 16) {
+        const v16f x = vexp(load16(s + k) - m);
+        std::memcpy(s + k, &x, 64);
+        if (k < full) acc += x;
+    }
+    for (int k = full; k < L; k++) acc[k % 16] += s[k];
+    float t = 0.0f;
+    for (int l = 0; l < 16; l++) t += acc[l];
+    return t;
 }
 
 template <typename T, int BS>
@@ -92,17 +72,7 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
     }
     for (int g = 0; g < G; g++) {
         float* s = sc + (long)g * Lpad;
-        float m = s[0];
-        for (int k = 1; k < L; k++) m = (s[k] > m || s[k] != s[k]) ? s[k] : m;  // NaN wins
-        for (int k = L; k < Lpad; k++) s[k] = m;  // lanes past L: defined, never summed
-        for (int k = 0; k < Lpad; k += 16) {
-            v16f x;
-            std::memcpy(&x, s + k, 64);
-            x = vexp(x - m);
-            std::memcpy(s + k, &x, 64);
-        }
-        float sum = 0.0f;
-        for (int k = 0; k < L; k++) sum += s[k];
+        const float sum = softmax_row(s, L, Lpad);
         float acc[256];
         for (int d = 0; d < Dh; d++) acc[d] = 0.0f;
         for (int k = 0; k < L; k++) {
@@ -113,22 +83,6 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
         const float inv = 1.0f / sum;
         for (int d = 0; d < Dh; d++) store(out, (long)g * Dh + d, acc[d] * inv);
     }
-}
-
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-static inline v16f load16(const float* p) {
-    v16f x;
-    std::memcpy(&x, p, 64);
-    return x;
-}
-static inline v16f load16(const uint16_t* p) {
-    v16h h;
-    std::memcpy(&h, p, 32);
-    v16i u = __builtin_convertvector(h, v16i) << 16;
-    v16f x;
-    std::memcpy(&x, &u, 64);
-    return x;
 }
 
 // The same arithmetic as attend_row for bs = 16 and Dh = 64, with the G query heads of one KV head
@@ -155,28 +109,7 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
         }
     }
     float sum[G];
-    const int full = L / 16 * 16;  // keys in whole 16-lane chunks; the rest are summed lane by lane
-    for (int g = 0; g < G; g++) {
-        float* s = sc + (long)g * Lpad;
-        for (int k = L; k < Lpad; k++) s[k] = s[0];  // lanes past L: a visible score, never summed
-        v16f mv = load16(s);
-        for (int k = 16; k < Lpad; k += 16) {
-            const v16f x = load16(s + k);
-            mv = (x > mv || x != x) ? x : mv;  // NaN wins
-        }
-        float m = mv[0];
-        for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
-        v16f acc = v16f{};
-        for (int k = 0; k < Lpad; k += 16) {
-            const v16f x = vexp(load16(s + k) - m);
-            std::memcpy(s + k, &x, 64);
-            if (k < full) acc += x;
-        }
-        for (int k = full; k < L; k++) acc[k % 16] += s[k];
-        float t = 0.0f;
-        for (int l = 0; l < 16; l++) t += acc[l];  // lanes in order: fixed by L alone
-        sum[g] = t;
-    }
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
     v16f o[G][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) o[g][c] = v16f{};
@@ -225,28 +158,7 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
             _mm512_storeu_ps(sc + (long)g * Lpad + (long)i * BS, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
     }
     float sum[G];
-    const int full = L / 16 * 16;
-    for (int g = 0; g < G; g++) {
-        float* s = sc + (long)g * Lpad;
-        for (int k = L; k < Lpad; k++) s[k] = s[0];
-        v16f mv = load16(s);
-        for (int k = 16; k < Lpad; k += 16) {
-            const v16f x = load16(s + k);
-            mv = (x > mv || x != x) ? x : mv;
-        }
-        float m = mv[0];
-        for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
-        v16f acc = v16f{};
-        for (int k = 0; k < Lpad; k += 16) {
-            const v16f x = vexp(load16(s + k) - m);
-            std::memcpy(s + k, &x, 64);
-            if (k < full) acc += x;
-        }
-        for (int k = full; k < L; k++) acc[k % 16] += s[k];
-        float t = 0.0f;
-        for (int l = 0; l < 16; l++) t += acc[l];
-        sum[g] = t;
-    }
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
     __m512 o[G][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();

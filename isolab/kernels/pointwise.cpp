@@ -6,92 +6,9 @@
 #include <cstdint>
 #include <cstring>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+#include "simd.h"
 
 namespace {
-
-inline float load(const float* p, long i) { return p[i]; }
-inline float load(const uint16_t* p, long i) {
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline float round_to(float, float f) { return f; }
-inline float bf16_round(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline float round_to(uint16_t, float f) { return bf16_round(f); }
-inline void store(float* p, long i, float f) { p[i] = f; }
-inline void store(uint16_t* p, long i, float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = (uint16_t)((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (uint16_t)(u >> 16);
-}
-
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-inline v16f load16(const float* p) {
-    v16f x;
-    std::memcpy(&x, p, 64);
-    return x;
-}
-inline v16f load16(const uint16_t* p) {
-    v16h h;
-    std::memcpy(&h, p, 32);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f x;
-    std::memcpy(&x, &u, 64);
-    return x;
-}
-// bf16 bits of each lane, rounded to nearest even (NaN stays NaN), as store() does one at a time
-inline v16u bf16_bits(v16f x) {
-    v16u u;
-    std::memcpy(&u, &x, 64);
-    const v16u nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return nan ? ((u >> 16) | 0x40u) : r;
-}
-inline v16f round16(float, v16f x) { return x; }
-inline v16f round16(uint16_t, v16f x) {
-    v16u u = bf16_bits(x) << 16;
-    std::memcpy(&x, &u, 64);
-    return x;
-}
-inline void store16(float* p, v16f x) { std::memcpy(p, &x, 64); }
-inline void store16(uint16_t* p, v16f x) {
-    v16h h = __builtin_convertvector(bf16_bits(x), v16h);
-    std::memcpy(p, &h, 32);
-}
-
-// exp(x), 16 lanes, x clamped to [-87, 88]; each lane a pure function of itself.
-inline v16f vexp(v16f x) {
-    x = x < -87.0f ? v16f{} - 87.0f : x;
-    x = x > 88.0f ? v16f{} + 88.0f : x;
-    v16f t = x * 1.44269504088896341f;
-    v16f n = (t + 12582912.0f) - 12582912.0f;
-    v16f f = t - n;
-    v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f s;
-    std::memcpy(&s, &e, 64);
-    return p * s;
-}
 
 // sum of squares of row[0..D): 16 lane partial sums in index order, then lanes 0..15 in order
 template <typename T>
