@@ -1,8 +1,8 @@
 """Owns the K/V tensors of the paged pool: one (2, Hkv, num_blocks, block_size, Dh) tensor per layer.
 
 Head-major: each (head, block) is one contiguous run of block_size * Dh values, laid out inside
-for the attention kernel's dot products (models/llama.py:write_kv says how); the torch path
-gathers whole runs with one index_select.
+for whichever attention reads it (models/llama.py:write_kv: the native kernel's dot products, or
+plain (block_size, Dh) for the torch path, which gathers whole runs with one index_select).
 
 Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.
 """

@@ -26,14 +26,12 @@ from isolab.models.llama import KEY_PAD, LlamaModel, attention_core, causal_hidd
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    rows: torch.Tensor  # (B, T) row of each query in the step's flat batch; padding repeats a real row
-    valid: torch.Tensor  # (B, T) bool: which entries are real queries
+    rows: torch.Tensor  # (B, T) row of each query in the step's flat batch
     q_pos: torch.Tensor  # (B, T) absolute positions
     gather_rows: torch.Tensor  # (2 * Hkv * B * nb,) rows of a layer's (2 * Hkv * num_blocks, bs * Dh) view:
     #   (kv, head, row, block-table entry) in that order, tables padded with the null block
     num_blocks: int  # nb: blocks per row after padding
     hidden: torch.Tensor  # (B, T, nb * bs) causal mask, computed once per step
-    covers_all: bool  # rows are exactly 0..N-1 in order: the step is this one group
 
 
 @dataclass(frozen=True)
@@ -66,17 +64,12 @@ class PagedAttention:
             n = self.native
             return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,
                                            new_kv=(k, v, self.slot_mapping))
-        write_kv(kv, self.slot_mapping, k, v)
-        if len(self.groups) == 1 and self.groups[0].covers_all:
-            g = self.groups[0]
-            kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0])
-            o = attention_core(q.view(g.rows.shape[0], -1, *q.shape[1:]), kb, vb, g.q_pos, self.scale, g.hidden)
-            return o.view(q.shape)
+        write_kv(kv, self.slot_mapping, k, v, native=False)
         out = torch.empty_like(q)
         for g in self.groups:
-            kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0])  # (Hkv, B, S, Dh)
+            kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
             o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden)  # (B, T, H, Dh)
-            out[g.rows[g.valid]] = o[g.valid]
+            out[g.rows.view(-1)] = o.view(-1, *o.shape[2:])
         return out
 
 
@@ -93,17 +86,15 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
-        self.num_kv_heads = model.hp.num_kv_heads
 
-    def _group(self, rows: torch.Tensor, q_pos: torch.Tensor, tables: list[list[int]], covers_all: bool) -> AttentionGroup:
+    def _group(self, rows: torch.Tensor, q_pos: torch.Tensor, tables: list[list[int]]) -> AttentionGroup:
         # Pad every table to the same number of blocks, and the key count to a multiple of KEY_PAD.
         bs = self.kv.block_size
         nb = max(len(t) for t in tables)
         nb = -(-nb * bs // KEY_PAD) * KEY_PAD // bs if (nb * bs) % KEY_PAD else nb
         ids = torch.tensor([b for t in tables for b in t + [0] * (nb - len(t))], device=self.device)
-        planes = torch.arange(2 * self.num_kv_heads, device=self.device).view(-1, 1) * self.storage.num_blocks
-        return AttentionGroup(rows, torch.ones_like(rows, dtype=torch.bool), q_pos, (planes + ids).view(-1), nb,
-                              causal_hidden(q_pos, nb * bs), covers_all=covers_all)
+        planes = torch.arange(2 * self.model.hp.num_kv_heads, device=self.device).view(-1, 1) * self.storage.num_blocks
+        return AttentionGroup(rows, q_pos, (planes + ids).view(-1), nb, causal_hidden(q_pos, nb * bs))
 
     def execute(self, out: SchedulerOutput) -> ForwardResult:
         token_ids: list[int] = []
@@ -156,13 +147,13 @@ class ModelRunner:
                 groups.append(self._group(
                     torch.arange(row0, row0 + T, device=dev).view(1, T),
                     torch.arange(ch.start, ch.start + T, device=dev).view(1, T),
-                    [table], covers_all=len(out.chunks) == 1,
+                    [table],
                 ))
             row0 += T
         if decode:
             groups.append(self._group(
                 torch.tensor([r for r, _, _ in decode], device=dev).view(-1, 1),
                 torch.tensor([p for _, p, _ in decode], device=dev).view(-1, 1),
-                [t for _, _, t in decode], covers_all=len(decode) == len(out.chunks),
+                [t for _, _, t in decode],
             ))
         return groups

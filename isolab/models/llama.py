@@ -38,10 +38,9 @@ class Weight:
     and F.linear.
     """
 
-    __slots__ = ("packed", "plain", "shape")
+    __slots__ = ("packed", "plain")
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.shape = tuple(weight.shape)  # (N, K)
+    def __init__(self, weight: torch.Tensor) -> None:  # (N, K)
         self.packed: torch.Tensor | None = None  # oneDNN's blocked layout; replaces `plain`
         self.plain: torch.Tensor | None = weight
         if weight.device.type == "cpu" and _can_pack(weight.dtype):
@@ -123,18 +122,23 @@ def attention_core(
     return out.view(Hkv, B, G, T, Dh).permute(1, 3, 0, 2, 4).reshape(B, T, H, Dh)
 
 
-def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, native: bool = True) -> None:
     """Store k, v (N, Hkv, Dh) at flat slots (N,) of one layer's pool (2, Hkv, num_blocks, bs, Dh).
 
-    Each block holds bs * Dh values laid out for the native kernel's dot products (the layout the
-    kernel itself writes, isolab/kernels/paged_attention.cpp):
+    native: each block holds bs * Dh values laid out for the native kernel's dot products (the
+    layout the kernel itself writes, isolab/kernels/paged_attention.cpp):
       fp32: K block (Dh, bs), so 16 keys of one dimension are one vector; V block (bs, Dh)
       bf16: K block (Dh/2, bs, 2) and V block (bs/2, Dh, 2): the pairs one AVX512-BF16 dot
             product takes (two dimensions of one key; one dimension of two keys) side by side
+    not native (the torch path): K and V blocks both (bs, Dh), what attention_core reads.
     """
     _, hkv, nb, bs, dh = kv.shape
     blk, off = slots // bs, slots % bs
-    if kv.dtype == torch.bfloat16:
+    if not native:
+        flat = kv.view(2, hkv, nb * bs, dh)
+        flat[0].index_copy_(1, slots, k.transpose(0, 1))
+        flat[1].index_copy_(1, slots, v.transpose(0, 1))
+    elif kv.dtype == torch.bfloat16:
         kv[0].view(hkv, nb, dh // 2, bs, 2)[:, blk, :, off, :] = k.view(-1, hkv, dh // 2, 2)  # [h, b, d/2, o, d%2]
         kv[1].view(hkv, nb, bs // 2, dh, 2)[:, blk, off // 2, :, off % 2] = v  # [h, b, o/2, d, o%2]
     else:
@@ -142,15 +146,18 @@ def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
         kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
 
 
-def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path's read: whole (block, head) rows of kv (2, Hkv, num_blocks, bs, Dh), in the
-    order of `rows` (2 * Hkv * B * nb,) as (kv, head, row, table entry) -> K, V (Hkv, B, nb * bs, Dh).
+def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int, *, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read whole (block, head) runs of kv (2, Hkv, num_blocks, bs, Dh), in the order of `rows`
+    (2 * Hkv * B * nb,) as (kv, head, row, table entry) -> K, V (Hkv, B, nb * bs, Dh).
 
     One index_select along dim 0 of a contiguous view (measured 1.6x faster than two along the
-    block dim), then each block back from write_kv's layout to (bs, Dh), as attention_core wants."""
+    block dim). The torch path's pool (native=False) is already (bs, Dh); a native pool's blocks
+    are put back from write_kv's layout (tests compare the kernel with attention_core this way)."""
     _, hkv, num_blocks, bs, dh = kv.shape
     got = kv.view(2 * hkv * num_blocks, bs * dh).index_select(0, rows).view(2, hkv, batch, -1, bs * dh)
     nb = got.shape[3]
+    if not native:
+        return got[0].view(hkv, batch, nb * bs, dh), got[1].view(hkv, batch, nb * bs, dh)
     if kv.dtype == torch.bfloat16:
         k = got[0].view(hkv, batch, nb, dh // 2, bs, 2).permute(0, 1, 2, 4, 3, 5)  # -> (.., bs, d/2, 2)
         v = got[1].view(hkv, batch, nb, bs // 2, dh, 2).permute(0, 1, 2, 3, 5, 4)  # -> (.., o/2, 2, dh)
