@@ -1,8 +1,8 @@
 """Where a decode step of 32 rows spends its time (docs/engine.md, README "How the 32-request
 figure got to 2x"), on the real model:
 
-  gemm        the 30 layers' four GEMMs plus the LM head at M = 32, prepacked oneDNN weights
-              (`Weight`) against F.linear on the same weights, warm, same process
+  gemm        the 30 layers' four GEMMs plus the LM head at M = 32 (and 512, for GFLOP/s),
+              prepacked oneDNN weights (`Weight`) against F.linear on the same weights, warm
   native      one engine step (all 32 requests decoding) on the native path, split into GEMMs,
               paged attention, the fused row ops and the rest
   torch       the same step on the torch path (attention = gather + attention_core)
@@ -41,12 +41,14 @@ SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_dow
 HEAD = (49152, 576)
 
 
-def gemm_step_ms(dtype: torch.dtype, repeats: int) -> dict[str, float]:
+def gemm_step_ms(dtype: torch.dtype, repeats: int, rows: int = 32) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     out = {"packed": 0.0, "F.linear": 0.0}
+    flop = 0.0
     for (n, k), times in [(s, 30) for s in SHAPES.values()] + [(HEAD, 1)]:
+        flop += 2.0 * rows * n * k * times
         w = torch.randn(n, k, generator=g).to(dtype)
-        x = torch.randn(32, k, generator=g).to(dtype)
+        x = torch.randn(rows, k, generator=g).to(dtype)
         packed = llama.Weight(w)
         for name, fn in (("packed", lambda: packed(x)), ("F.linear", lambda: F.linear(x, w))):
             fn()
@@ -56,6 +58,7 @@ def gemm_step_ms(dtype: torch.dtype, repeats: int) -> dict[str, float]:
                 fn()
                 samples.append(time.perf_counter() - t)
             out[name] += statistics.median(samples) * 1e3 * times
+    out["packed_gflops"] = flop / out["packed"] / 1e6
     return out
 
 
@@ -115,9 +118,12 @@ def main() -> None:
     a = ap.parse_args()
     tdtype = llama.TORCH_DTYPES[a.dtype]
     result = {"dtype": a.dtype, "rows": 32, "gemm_ms_per_step": gemm_step_ms(tdtype, a.repeats),
+              "gemm_512_rows": gemm_step_ms(tdtype, max(3, a.repeats // 4), rows=512),
               "native_step_ms": step_ms(a.dtype, True, a.repeats), "torch_step_ms": step_ms(a.dtype, False, a.repeats)}
     g = result["gemm_ms_per_step"]
-    print(f"GEMMs of one step at M = 32 ({a.dtype}, warm): packed {g['packed']:.1f} ms, F.linear {g['F.linear']:.1f} ms")
+    g512 = result["gemm_512_rows"]
+    print(f"GEMMs of one step at M = 32 ({a.dtype}, warm): packed {g['packed']:.1f} ms ({g['packed_gflops']:.0f} GFLOP/s), "
+          f"F.linear {g['F.linear']:.1f} ms; at M = 512: packed {g512['packed_gflops']:.0f} GFLOP/s")
     for path in ("native", "torch"):
         s = result[f"{path}_step_ms"]
         print(f"{path:6} step: execute {s['execute']:.1f} ms = GEMMs {s['gemm']:.1f} + attention {s['attention']:.1f} "
