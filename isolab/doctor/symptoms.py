@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from isolab.doctor.workload import Item
 from isolab.errors import InvalidRequestError
+from isolab.probe.verdicts import common_prefix_len
 
 
 @dataclass(frozen=True)
@@ -85,15 +86,6 @@ def compare(ref: Result, got: Result, *, exact: bool, tie_margin: float) -> str 
     return f"tokens differ from position {i} on ({wrong} of the next {max(len(ref.tokens) - i, 0)} wrong)"
 
 
-def _common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def foreign_hits(
     admitted: Sequence[tuple[Item, Result]], history: Sequence[tuple[Item, Result]] = ()
 ) -> list[Symptom]:
@@ -105,7 +97,7 @@ def foreign_hits(
             own = other = 0
             for prev, pres in seen:
                 before = prev.prompt + (pres.tokens if isinstance(prev.prompt, tuple) else pres.text)  # type: ignore[operator]
-                n = _common_prefix(item.prompt, before)
+                n = common_prefix_len(item.prompt, before)
                 if prev.scope == item.scope:
                     own = max(own, n)
                 else:

@@ -55,8 +55,8 @@ class Auditor:
             own = b.state is BlockState.ALLOCATED and b.writer == req.request_id
             if i >= first_write:
                 if not own or b.ref_cnt != 1:
-                    why = "a shared or foreign block must never be written" if b.ref_cnt != 1 or not own else ""
-                    return self._record(_violation("write", req, b, why or "not the writer"))
+                    why = "a shared or foreign block must never be written"  # shared (ref_cnt > 1) or not the writer's
+                    return self._record(_violation("write", req, b, why))
                 continue
             if own:
                 continue

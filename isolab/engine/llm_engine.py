@@ -123,13 +123,18 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed at once. False if it is unknown or done."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        if self.auditor:
-            self.auditor.forget(request_id)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """The one way a request ends: blocks freed, forgotten by the engine and the auditor."""
+        self.scheduler.finish(req, status)
+        self.requests.pop(req.request_id, None)
+        if self.auditor:
+            self.auditor.forget(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -162,10 +167,7 @@ class LLMEngine:
             self.num_generated_tokens += 1
             status = self._check_stop(req, token)
             if status is not None:
-                self.scheduler.finish(req, status)
-                self.requests.pop(req.request_id, None)
-                if self.auditor:
-                    self.auditor.forget(req.request_id)
+                self._finish(req, status)
             outputs.append(self._output(req, (token,), (lp,) if lp else ()))
         return outputs
 
@@ -180,8 +182,7 @@ class LLMEngine:
                 failed.append((ch.request, v))
         outputs = []
         for req, v in failed:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            self.requests.pop(req.request_id, None)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(req, (), (), error=v))
         return SchedulerOutput(tuple(keep), out.preempted_ids, out.num_batched_tokens), outputs
 

@@ -20,7 +20,7 @@ in tokens or logprobs is contamination.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -173,7 +173,8 @@ def judge_comparisons(name: str, comps: Sequence[Comparison], what: str) -> Verd
 
 
 # -- cached_tokens ------------------------------------------------------------------------------------
-def common_prefix_len(a: str, b: str) -> int:
+def common_prefix_len(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """How many leading items (characters, token ids) a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
