@@ -97,9 +97,12 @@ class KVCacheManager:
             if extra is not None:
                 hits.append(extra)
                 num_hit += len(extra.tokens)
+        return hits, num_hit
+
+    def count_admission(self, request: Request, num_hit: int) -> None:
+        """Prefix-cache statistics, once per admission (a lookup that then finds no room is a retry)."""
         self.num_query_tokens += request.num_tokens
         self.num_hit_tokens += num_hit
-        return hits, num_hit
 
     def _partial_hit(self, request: Request, hits: list[KVBlock], keys: list[BlockKey]) -> KVBlock | None:
         """FAULT write-shared: share another request's unsealed block with no copy-on-write."""

@@ -92,6 +92,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 req.num_computed_tokens = 0
                 break
+            self.kv.count_admission(req, num_hit)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
             self.waiting.popleft()

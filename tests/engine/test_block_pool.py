@@ -134,3 +134,22 @@ def test_allocate_fails_cleanly_when_full():
     assert not m.allocate_slots(b, 4)
     assert m.block_table(b) == []
     m.pool.check_invariants()
+
+
+def test_prefix_cache_statistics_count_admissions_not_retries(tiny_bundle):
+    """A waiting request that finds no room is looked up again every step; the hit-rate counters
+    must count it once, when it is admitted."""
+    from isolab.sampling_params import SamplingParams
+    from tests.engine.workload import engine
+
+    eng = engine(tiny_bundle, kv_blocks=4, max_seqs=8)
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("big", list(range(5, 65)), p)  # 60 + 4 tokens: exactly the 4 blocks
+    eng.add_request("next", list(range(100, 116)), p)  # finds no free block until "big" ends
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert eng.scheduler.num_preemptions == 0
+    assert steps >= 6, "next must have waited (been looked up) for several steps"
+    assert eng.kv.num_query_tokens == 60 + 16
