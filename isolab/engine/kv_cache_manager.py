@@ -50,6 +50,7 @@ class KVCacheManager:
         self.faults = faults
         # Hits are confirmed against the stored tokens, unless a fault makes the engine trust its key.
         self.confirm_hits = not ({"weak-hash", "coarse-key"} & faults)
+        self.write_shared = "write-shared" in faults  # FAULT: unsealed tails shared, no copy-on-write
         self.tables: dict[str, list[BlockRef]] = {}
         # FAULT write-shared only: unsealed blocks published for sharing, by (parent key, scope).
         self.partial_index: dict[tuple[BlockKey | None, str | None], KVBlock] = {}
@@ -92,7 +93,7 @@ class KVCacheManager:
                 break  # a key collision: never share on the key alone
             hits.append(block)
         num_hit = len(hits) * bs
-        if "write-shared" in self.faults:
+        if self.write_shared:
             extra = self._partial_hit(request, hits, keys)
             if extra is not None:
                 hits.append(extra)
@@ -162,7 +163,7 @@ class KVCacheManager:
                 block.tokens[off] = request.token_ids[pos]  # only a shared block is written twice
                 del block.tokens[off + 1 :]
             else:
-                if "write-shared" in self.faults:  # another writer may have cut the block short
+                if self.write_shared:  # another writer may have cut the block short
                     block.tokens.extend([-1] * (off - len(block.tokens)))
                 assert off == len(block.tokens), f"block {block.block_id}: write at {off} after {len(block.tokens)}"
                 block.tokens.append(request.token_ids[pos])
@@ -175,14 +176,14 @@ class KVCacheManager:
                     keys = self.update_block_keys(request)
                     if i < len(keys):
                         self.pool.seal(block, keys[i])
-            elif "write-shared" in self.faults and block.state is BlockState.ALLOCATED and self.enable_prefix_caching:
+            elif self.write_shared and block.state is BlockState.ALLOCATED and self.enable_prefix_caching:
                 keys = self.update_block_keys(request)
                 self.partial_index[(keys[i - 1] if i else None, request.scope)] = block
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail first (so the tail is evicted first)."""
         table = self.tables.pop(request.request_id, [])
-        for ref in table:
+        for ref in table if self.partial_index else ():
             for k, v in list(self.partial_index.items()):
                 if v is ref.block and v.writer == request.request_id:
                     del self.partial_index[k]
