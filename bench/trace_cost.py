@@ -71,7 +71,7 @@ def main() -> int:
     with open(trace) as fh:
         events = sum(1 for _ in fh)
     result = {
-        "what": "wall time of the doctor's built-in workload (28 requests, concurrency "
+        "what": "CPU time of the doctor's built-in workload (28 requests, concurrency "
                 f"{args.concurrency}) with the lifecycle trace on, over the same run with it off",
         "model": target.bundle.name, "device": args.device, "cpu": platform.processor() or platform.machine(),
         "clock": "process CPU time", "repeats": args.repeats, "cpu_seconds_off": off, "cpu_seconds_on": on,
