@@ -79,7 +79,8 @@ def compare(ref: Result, got: Result, *, exact: bool, tie_margin: float) -> str 
         alts = sorted(ref.top[i].values(), reverse=True)
         best = alts[0]
         other = ref.top[i].get(got.tokens[i]) if i < len(got.tokens) else None
-        runner_up = other if other is not None else (alts[1] if len(alts) > 1 else None)
+        # a token outside the reported top-k scored at most the lowest of them (as probe/verdicts.py)
+        runner_up = other if other is not None else (alts[-1] if len(alts) > 1 else None)
         if runner_up is not None and best - runner_up < tie_margin:
             return None  # a near-tie alone: drift, not contamination
     wrong = sum(1 for a, b in zip(got.tokens[i:], ref.tokens[i:], strict=False) if a != b)

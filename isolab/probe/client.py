@@ -28,6 +28,7 @@ class Capabilities:
     ignore_eos: bool = True  # the server takes the `ignore_eos` extension
     cache_salt: bool = True  # the server takes the `cache_salt` field (whether it honours it is a scenario)
     seed: bool = True
+    stream_options: bool = True  # the server takes `stream_options: {include_usage: true}` on streams
     dropped: list[str] = field(default_factory=list)  # "field: the server's reason"
 
 
@@ -98,7 +99,8 @@ class ProbeClient:
             body["cache_salt"] = who.cache_salt
         if stream:
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            if self.caps.stream_options:
+                body["stream_options"] = {"include_usage": True}
         return body
 
     def _drop_rejected_field(self, status: int, text: str, body: dict[str, Any]) -> bool:
@@ -107,9 +109,8 @@ class ProbeClient:
             return False
         low = text.lower()
         for name in ("logprobs", "ignore_eos", "cache_salt", "seed", "stream_options"):
-            if name in body and name in low and getattr(self.caps, name, True):
-                if hasattr(self.caps, name):
-                    setattr(self.caps, name, False)
+            if name in body and name in low and getattr(self.caps, name):
+                setattr(self.caps, name, False)
                 self.caps.dropped.append(f"{name}: {text[:160]}")
                 return True
         return False

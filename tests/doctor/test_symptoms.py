@@ -58,3 +58,10 @@ def test_variants_keep_shapes_and_sharing():
     ids = [Item("x", (5, 6, 7)), Item("y", (5, 6, 8))]
     tv = token_variant(ids, 0, 100, 200)
     assert tv[0].prompt[:2] == tv[1].prompt[:2] and tv[0].prompt != ids[0].prompt and len(tv[0].prompt) == 3
+
+
+def test_a_token_outside_the_top_k_is_not_taken_for_a_near_tie():
+    """The other run's token is not among the reference's top 3: its logprob is at most the lowest
+    of them, so the margin is at least best - lowest, not best - second best."""
+    ref = res(["a", "b"], top=[{"a": -0.1}, {"b": -0.70, "c": -0.72, "d": -4.0}])
+    assert compare(ref, res(["a", "x"]), exact=False, tie_margin=0.1) is not None
