@@ -1,103 +1,130 @@
-"""Measures which ops give a row other bits depending on the batch, on this CPU (docs/numerics.md).
+"""Batch invariance and speed of every GEMM path, per ISA level this CPU can run (docs/engine.md, "Numerics").
 
-For each GEMM shape of SmolLM2-135M and each dtype: compute 512 rows at once, then in slices of
-M rows, and count output elements whose bits differ. Prints a table, writes JSON.
+For each level (oneDNN capped with ONEDNN_MAX_CPU_ISA; isolab's kernels built with
+ISOLAB_KERNEL_ISA), each GEMM path (models/linear.py) and dtype, in a fresh subprocess:
+  - differing outputs: the start-up check of models/invariance.py on SmolLM2-135M's shapes (a row
+    in slices of M = 1, 2, 3, 5, 9, 17, 32, 33, 64, 128, 512 against the same rows in one call),
+    summed over shapes and M (0 = batch-invariant);
+  - ms for one step's GEMMs at M rows: 30 layers x (qkv, o, gate_up, down), each layer its own
+    weights (so they stream from memory as in the engine), plus the vocabulary head.
+Prints a table, writes bench/results/batch_invariance.json.
+
+    python bench/batch_invariance.py [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from isolab import kernels  # noqa: E402
-from isolab.models.llama import Weight, attention_core, write_kv  # noqa: E402
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+LAYERS = 30
+STEP_M = (1, 32, 128, 512)
+SLOW_S = 3.0  # once one step takes longer, larger M are not timed for that path
 
-SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536), "lm_head": (49152, 576)}
-SLICES = (1, 2, 3, 4, 5, 8, 9, 17, 64)
 
+def measure(path: str, dname: str, quick: bool) -> dict:
+    import torch
 
-def gemm_mismatches(dtype: torch.dtype, n: int, k: int, make) -> dict[int, int]:
-    """make(weight) -> fn(x): the op under test with its weight bound (packed once, if it packs)."""
+    from isolab import kernels
+    from isolab.models import invariance
+    from isolab.models.linear import Weight, path_applies
+
+    dtype = torch.bfloat16 if dname == "bf16" else torch.float32
+    cpu = torch.device("cpu")
+    native = kernels.available(cpu, dtype, 9, 3, 64)
+    if not path_applies(path, cpu, dtype, native):  # type: ignore[arg-type]
+        return {"applies": False}
+    rep = invariance.check(path, LAYER_SHAPES + [HEAD], dtype, cpu, (9, 3, 64), native, use_cache=False)
+    out: dict = {"applies": True, "mismatches": sum(v for per in rep.gemm_mismatches.values() for v in per.values()),
+                 "by_shape": rep.gemm_mismatches, "kernel_isa": rep.kernel_isa, "check_s": rep.seconds, "step_ms": {}}
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    x = torch.randn(256 if n > 10000 else 512, k, generator=g).to(dtype)
-    fn = make(w)
-    ref = fn(x)
-    out = {}
-    for m in SLICES:
-        bad = 0
-        for s in range(0, x.shape[0] - m + 1, m):
-            bad += int((fn(x[s : s + m]) != ref[s : s + m]).sum())
-        out[m] = bad
+    layers = [[Weight(torch.randn(n, k, generator=g).to(dtype), path) for n, k in LAYER_SHAPES]
+              for _ in range(2 if quick else LAYERS)]
+    head = Weight(torch.randn(*HEAD, generator=g).to(dtype), path)
+    scale = LAYERS / len(layers)
+    for m in STEP_M:
+        xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (576, 1536)}
+
+        def step() -> None:
+            for ws in layers:
+                for w, (_, k) in zip(ws, LAYER_SHAPES, strict=True):
+                    w(xs[k])
+            head(xs[576])
+
+        step()
+        best = float("inf")
+        t_end = time.perf_counter() + (0.5 if quick else 2.0)
+        while True:
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+            best = min(best, dt)
+            if time.perf_counter() > t_end:
+                break
+        # head once, layers scaled to 30 when --quick built fewer
+        t0 = time.perf_counter()
+        head(xs[576])
+        head_s = time.perf_counter() - t0
+        ms = ((best - head_s) * scale + head_s) * 1e3
+        out["step_ms"][str(m)] = round(ms, 2)
+        if ms / 1e3 > SLOW_S:
+            break
     return out
 
 
-def attention_mismatches(dtype: torch.dtype, native: bool) -> dict[str, int]:
-    """Attention (SmolLM2 heads: 3 KV heads, 9 query heads, Dh 64) on the same queries and keys
-    grouped three ways: 32 decode rows at once vs each alone, keys padded vs exact, and 40 prompt
-    queries in one chunk vs one at a time (what preemption and prefix hits rely on). `native`:
-    isolab's kernel reading a paged pool; else attention_core over gathered keys (the torch path)."""
-    g = torch.Generator().manual_seed(0)
-    hkv, heads, dh, b, s, bs = 3, 9, 64, 32, 160, 16
-    q = torch.randn(b, 1, heads, dh, generator=g).to(dtype)
-    k = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
-    v = torch.randn(hkv, b, s, dh, generator=g).to(dtype)
-    pos = torch.randint(40, 150, (b, 1), generator=g)
-    if native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
-        nb = s // bs
-        pool = torch.zeros(2, hkv, b * nb + 1, bs, dh, dtype=dtype)
-        slots = torch.arange(bs, (b * nb + 1) * bs)
-        write_kv(pool, slots, k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
-        tables = (torch.arange(b * nb, dtype=torch.int32) + 1).view(b, nb)
-
-        def attend(qs, rows, p, width):  # width: keys the table covers (the padding analogue)
-            t = tables[rows][:, : -(-width // bs)].contiguous()
-            out = kernels.paged_attention(qs.view(-1, heads, dh), pool, t,
-                                          torch.arange(len(rows), dtype=torch.int32).repeat_interleave(qs.shape[1]),
-                                          p.view(-1).to(torch.int32), dh**-0.5)
-            return out.view(qs.shape)
-    else:
-        def attend(qs, rows, p, width):
-            return attention_core(qs, k[:, rows, :width], v[:, rows, :width], p, dh**-0.5)
-    full = attend(q, list(range(b)), pos, s)
-    batch = padded = 0
-    for i in range(b):
-        one = slice(i, i + 1)
-        batch += int((attend(q[one], [i], pos[one], s) != full[one]).sum())
-        n = -(-(int(pos[i]) + 1) // 16) * 16
-        padded += int((attend(q[one], [i], pos[one], n) != full[one]).sum())
-    t = 40
-    qq = torch.randn(1, t, heads, dh, generator=g).to(dtype)
-    tpos = torch.arange(t).view(1, t)
-    chunk = attend(qq, [0], tpos, 48)
-    split = sum(int((attend(qq[:, j : j + 1], [0], tpos[:, j : j + 1], 48) != chunk[:, j : j + 1]).sum())
-                for j in range(t))
-    return {"batch_vs_solo": batch, "padded_vs_exact": padded, "chunk_vs_one_by_one": split}
+def child(args: argparse.Namespace) -> None:
+    print(json.dumps(measure(args.path, args.dtype, args.quick)))
 
 
 def main() -> None:
-    result: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "gemm": {}}
-    print(f"{'shape':10} {'dtype':5} {'op':12} " + " ".join(f"M={m:<6}" for m in SLICES))
-    for name, (n, k) in SHAPES.items():
-        for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for opname, make in (("F.linear", lambda w: lambda x: F.linear(x, w)), ("isolab", Weight)):
-                r = gemm_mismatches(dt, n, k, make)
-                result["gemm"][f"{name}/{dname}/{opname}"] = r
-                print(f"{name:10} {dname:5} {opname:12} " + " ".join(f"{r[m]:<8}" for m in SLICES))
-    result["attention"] = {}
-    print(f"\n{'attention':14} {'dtype':5} {'32 rows vs 1':14} {'padded keys':12} {'40-query chunk vs 1 by 1'}")
-    for path, native in (("torch", False), ("native", True)):
-        if native and not kernels.available(torch.device("cpu"), torch.bfloat16, 9, 3, 64):
-            continue
-        for dname, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            a = result["attention"][f"{path}/{dname}"] = attention_mismatches(dt, native)
-            print(f"{path:14} {dname:5} {a['batch_vs_solo']:<14} {a['padded_vs_exact']:<12} {a['chunk_vs_one_by_one']}")
-    out = Path(__file__).parent / "results" / "batch_invariance.json"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 layers timed and scaled to 30, shorter timing")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--path", default="isolab", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    from isolab import kernels
+    from isolab.models.invariance import cpu_description
+
+    flags = kernels._cpu_flags()
+    caps = [c for c, f in (("AVX2", "avx2"), ("AVX512_CORE", "avx512f"), ("AVX512_CORE_BF16", "avx512_bf16"),
+                           ("AVX512_CORE_AMX", "amx_bf16")) if f in flags]
+    levels = kernels.isa_levels()
+    runs: list[tuple[str, dict[str, str], str]] = []  # (label, env, path)
+    for cap in caps:  # oneDNN-backed paths under each cap (isolab's kernels at native)
+        for path in ("onednn", "torch", "fixed-tile"):
+            runs.append((f"oneDNN {cap}", {"ONEDNN_MAX_CPU_ISA": cap}, path))
+    for lv in levels:  # isolab's GEMM at each level its kernels build for
+        runs.append((f"isolab {lv}", {"ISOLAB_KERNEL_ISA": lv}, "isolab"))
+    result: dict = {"cpu": cpu_description(), "levels": levels, "onednn_caps": caps, "rows": []}
+    print(f"CPU: {result['cpu']}")
+    print(f"{'level':24} {'path':11} {'dtype':5} {'differing':>10} " + " ".join(f"{'M=' + str(m) + ' ms':>11}" for m in STEP_M))
+    for label, env, path in runs:
+        for dname in ("bf16", "fp32"):
+            cmd = [sys.executable, __file__, "--child", "--path", path, "--dtype", dname] + (["--quick"] if args.quick else [])
+            res = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=1800)
+            if res.returncode != 0:
+                print(f"{label:24} {path:11} {dname:5} failed: {res.stderr.strip().splitlines()[-1:]}")
+                continue
+            r = json.loads(res.stdout.strip().splitlines()[-1])
+            if not r["applies"]:
+                continue
+            result["rows"].append({"level": label, "env": env, "path": path, "dtype": dname, **r})
+            times = " ".join(f"{r['step_ms'].get(str(m), '-'):>11}" for m in STEP_M)
+            print(f"{label:24} {path:11} {dname:5} {r['mismatches']:>10} {times}", flush=True)
+    out = ROOT / "bench" / "results" / "batch_invariance.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 

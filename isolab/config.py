@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from isolab.errors import InvalidRequestError
 
 DTYPES = ("bf16", "fp32")
+GEMMS = ("isolab", "onednn", "fixed-tile", "torch")  # models/linear.py: GEMM_PATHS
 MiB = 1 << 20
 
 
@@ -49,6 +50,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's context length
+    gemm: str | None = None  # GEMM path (models/linear.py); None: the first that passes the invariance check
     audit: bool = False  # writer tags checked on every read; freed blocks poisoned with NaN
     inject_faults: frozenset[str] = frozenset()  # names from isolab.engine.faults.FAULTS; never on by default
     trace_path: str | None = None  # JSONL lifecycle trace of every block event
@@ -56,6 +58,33 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
+        if self.gemm is not None and self.gemm not in GEMMS:
+            raise InvalidRequestError(f"gemm must be one of {', '.join(GEMMS)}, not {self.gemm!r}", field="gemm")
         from isolab.engine.faults import validate_faults
 
         validate_faults(self.inject_faults)
+
+
+def build_engine_config(
+    *,
+    model: str | None = None,
+    dtype: str = "bf16",
+    device: str | None = None,
+    gemm: str | None = None,
+    kv_cache_memory: int = 256 * MiB,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    max_model_len: int | None = None,
+    audit: bool = False,
+    inject_faults: tuple[str, ...] | frozenset[str] = (),
+    trace_path: str | None = None,
+) -> EngineConfig:
+    """The one way the CLI, `LLM` and the server build an EngineConfig from flat options."""
+    return EngineConfig(
+        model=model, dtype=dtype, device=device, gemm=gemm,
+        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        max_model_len=max_model_len, audit=audit, inject_faults=frozenset(inject_faults), trace_path=trace_path,
+    )

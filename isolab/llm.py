@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
+from isolab.config import MiB, build_engine_config
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import InvalidRequestError
@@ -39,6 +39,7 @@ class LLM:
         dtype: str = "bf16",
         *,
         device: str | None = None,
+        gemm: str | None = None,
         kv_cache_memory: int = 256 * MiB,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -50,16 +51,11 @@ class LLM:
         trace_path: str | None = None,
         bundle: ModelBundle | None = None,
     ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            max_model_len=max_model_len,
-            audit=audit,
-            inject_faults=frozenset(inject_faults),
-            trace_path=trace_path,
+        self.config = build_engine_config(
+            model=model, dtype=dtype, device=device, gemm=gemm, kv_cache_memory=kv_cache_memory,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
+            inject_faults=tuple(inject_faults), trace_path=trace_path,
         )
         self.engine = LLMEngine(self.config, bundle)
         self.tokenizer = self.engine.tokenizer

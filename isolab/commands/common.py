@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from isolab.config import MiB
+from isolab.config import GEMMS, MiB
 from isolab.engine.faults import FAULTS
 
 
@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--gemm", choices=GEMMS, default=None,
+                   help="the GEMM path (default: the first that passes the start-up invariance check: isolab's own "
+                        "GEMM wherever a C++ compiler is; docs/engine.md, Numerics)")
     g.add_argument("--kv-cache-memory", type=parse_memory, default=256 * MiB, help="bytes for the KV pool (256MiB)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -42,6 +45,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        gemm=args.gemm,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_cache,

@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         model = args.model
     bundle = load_bundle(model, args.dtype, args.device)
     console = Console(stderr=False)
+    numerics = bundle.model.numerics
+    console.print(f"numerics: {numerics.summary()}")
     table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype})")
     for col in ("fault", "scenario", "healthy engine", "fault on", "fault on + audit", "divergence (C11)"):
         table.add_column(col)
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     console.print("every fault caught, healthy engine clean" if ok else "[red]SELFTEST FAILED")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": bundle.name, "dtype": args.dtype, "results": results, "passed": ok}, fh, indent=2)
+            json.dump({"model": bundle.name, "dtype": args.dtype, "numerics": numerics.to_json(), "results": results,
+                       "passed": ok}, fh, indent=2)
     sys.stdout.flush()
     return 0 if ok else 1

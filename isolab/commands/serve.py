@@ -40,15 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
+    from isolab.commands.common import llm_kwargs
+    from isolab.config import build_engine_config
 
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device,
-        cache=CacheConfig(args.block_size, args.kv_cache_memory, not args.no_prefix_cache),
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
-        max_model_len=args.max_model_len, audit=args.audit, inject_faults=frozenset(args.inject_fault),
-        trace_path=args.trace,
-    )
+    return build_engine_config(**llm_kwargs(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -88,6 +88,13 @@ class EngineTarget:
         eng.close()
         return res
 
+    def numerics(self) -> tuple[str, bool]:
+        """The engine's numerics path and its start-up invariance verdict (models/invariance.py)."""
+        eng = self.new_engine(True, 1 << 20)
+        report = eng.model.numerics
+        eng.close()
+        return report.numerics, report.invariant
+
     def together(self, items: Sequence[Item], concurrency: int, prefix_cache: bool) -> tuple[list[tuple[Item, Result]], dict]:
         trace, self.trace_path = self.trace_path, None
         eng = self.new_engine(prefix_cache, trace=trace)
@@ -173,7 +180,9 @@ def diagnose(
     if target.can_disable_cache:
         cs = [r.concurrency for r in sweep if r.symptoms] or [top]
         nocache = [together(items, refs, c, False, "original", checks) for c in cs]  # type: ignore[arg-type]
-    return Findings(target.name, alone, sweep, variant, nocache, vacuity_warnings(sweep))
+    reported = getattr(target, "numerics", lambda: None)()  # (path, invariant) where the target says
+    numerics, invariant = reported if reported else (None, None)
+    return Findings(target.name, alone, sweep, variant, nocache, vacuity_warnings(sweep), numerics, invariant)
 
 
 def vacuity_warnings(sweep: Sequence[RunRecord]) -> list[str]:

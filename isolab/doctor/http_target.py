@@ -51,6 +51,23 @@ class HttpTarget:
         self.history: list[tuple[Item, Result]] = []
         self.name = f"OpenAI-compatible server at {self.base_url}"
 
+    def numerics(self) -> tuple[str, bool] | None:
+        """What the server's /health says of its numerics (isolab reports it; others: None)."""
+        root = self.base_url[: -len("/v1")]
+
+        async def go() -> tuple[str, bool] | None:
+            async with httpx.AsyncClient(base_url=root, timeout=self.timeout_s, transport=self.transport) as c:
+                try:
+                    r = await c.get("/health")
+                    body = r.json()
+                except (httpx.HTTPError, ValueError):
+                    return None
+            if isinstance(body, dict) and isinstance(body.get("batch_invariant"), bool):
+                return str(body.get("numerics", "unknown")), body["batch_invariant"]
+            return None
+
+        return asyncio.run(go())
+
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout_s, transport=self.transport)
 

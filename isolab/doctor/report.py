@@ -38,6 +38,9 @@ def print_report(f: Findings, v: Verdict) -> None:
         console.print(f"  e.g. {s.item_id} ({s.kind}): {s.detail}")
     for w in f.warnings:
         console.print(f"[yellow]warning:[/] {w}")
+    if f.numerics is not None:
+        state = "batch-invariant" if f.batch_invariant else "[red]NOT batch-invariant[/]"
+        console.print(f"numerics (the target's start-up check): {f.numerics}, {state}")
     colour = "green" if v.verdict == "no symptom" else "red"
     console.print(f"verdict: [bold {colour}]{v.verdict}[/]")
 

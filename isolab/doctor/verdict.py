@@ -14,6 +14,10 @@ Verdict (the seed: yes to (a) and (d) locks it on shared state or cache isolatio
     shared-engine symptoms that vanish with cache off -> CACHE_ISOLATION
     shared-engine symptoms that persist with it off   -> SHARED_NOT_CACHE
     shared-engine symptoms, no way to turn cache off  -> SHARED_STATE
+and before those, from the target's own start-up check (models/invariance.py), where it has one:
+    shared-engine symptoms that persist with the cache off (or no switch), on an engine whose
+    numerics are not batch-invariant on this CPU    -> NUMERICS (not isolation: a row's bits
+                                                       depend on the batch, so batched and alone differ)
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ SOMETHING_ELSE = "something else (not isolation)"
 CACHE_ISOLATION = "shared state: cache isolation"
 SHARED_NOT_CACHE = "shared state, not the cache (e.g. RNG or batch state)"
 SHARED_STATE = "shared state (cache or not: no cache switch to tell)"
+NUMERICS = "the engine's numerics are not batch-invariant on this CPU (not shared state, not the cache)"
 
 YES, NO, NA = "yes", "no", "n/a"
 
@@ -59,6 +64,8 @@ class Findings:
     variant: RunRecord  # together at the top concurrency, other content
     nocache: list[RunRecord]  # together, cache off (empty: the target has no switch)
     warnings: list[str] = field(default_factory=list)  # why a "no" may be vacuous
+    numerics: str | None = None  # the target's numerics path, where it reports one
+    batch_invariant: bool | None = None  # its start-up check's verdict; None: not reported
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ def judge(f: Findings) -> Verdict:
         v = SOMETHING_ELSE
     elif not shared:
         v = NO_SYMPTOM
+    elif f.batch_invariant is False and (not f.nocache or any(r.symptoms for r in f.nocache)):
+        v = NUMERICS
     elif not f.nocache:
         v = SHARED_STATE
     elif any(r.symptoms for r in f.nocache):
@@ -152,6 +161,8 @@ def to_json(f: Findings, v: Verdict) -> dict:
         "fired": v.fired,
         "answers": [asdict(a) for a in v.answers],
         "warnings": f.warnings,
+        "numerics": f.numerics,
+        "batch_invariant": f.batch_invariant,
         "runs": {"alone": run(f.alone), "sweep": [run(r) for r in f.sweep], "variant": run(f.variant),
                  "nocache": [run(r) for r in f.nocache]},
     }

@@ -42,7 +42,11 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.bundle = bundle or load_bundle(config.model, config.dtype, config.device)
+        # FAULT batch-variant-gemm: a GEMM whose reduction order changes with M, kept whatever the check says.
+        gemm = "split-k" if "batch-variant-gemm" in config.inject_faults else config.gemm
+        if bundle is not None and gemm is not None and bundle.model.numerics.gemm_path != gemm:
+            bundle = load_bundle(bundle.path, bundle.dtype, str(bundle.model.device), gemm)  # type: ignore[arg-type]
+        self.bundle = bundle or load_bundle(config.model, config.dtype, config.device, gemm)  # type: ignore[arg-type]
         hp = self.bundle.hparams
         self.tokenizer = self.bundle.tokenizer
         self.model = self.bundle.model

@@ -21,7 +21,8 @@ from isolab import kernels
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.scheduler import SchedulerOutput
-from isolab.models.llama import KEY_PAD, LlamaModel, attention_core, causal_hidden, gather_kv, write_kv
+from isolab.models.attention import KEY_PAD, attention_core, causal_hidden, gather_kv, write_kv
+from isolab.models.llama import LlamaModel
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ Checks:
   scope         a request was served cached tokens that only another scope ever computed
   invariants    the block pool's invariant checker fails after a step (white-box)
   audit         audit mode raised an IsolationViolation (writer tags, scope, tokens, checksum)
+  numerics      the engine's start-up check found its numerics not batch-invariant on this CPU
+                (models/invariance.py), so batched and solo runs may differ without any sharing
 """
 
 from __future__ import annotations
@@ -112,6 +114,11 @@ def _rng(b: ModelBundle, rng: random.Random) -> list[Arrival]:
     return [Arrival(0, "S1", _tokens(rng, b, 12), mk(1)), Arrival(0, "S2", _tokens(rng, b, 12), mk(2))]
 
 
+def _wide(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+    # Ten requests decoding side by side: steps of 10 rows, where a batch-variant GEMM changes order.
+    return [Arrival(0, f"R{i}", _tokens(rng, b, 5 + i), _greedy(6)) for i in range(10)]
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("evict-and-rehit", "reuse-without-invalidate", "a cached block is evicted and rewritten while its old prefix is asked for again", 3, _reuse),
     Scenario("equal-length-prompts", "coarse-key", "two different prompts of the same length, one after the other", 16, _coarse),
@@ -119,6 +126,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("two-tenants-one-prefix", "no-scope", "two tenants send the same 40-token prompt", 16, _scope),
     Scenario("extend-a-running-prompt", "write-shared", "a prompt that extends another request's prompt while it decodes", 16, _write_shared),
     Scenario("two-seeded-samplers", "shared-rng", "two seeded sampling requests run together", 16, _rng),
+    Scenario("ten-rows-a-step", "batch-variant-gemm", "ten requests decode together, ten rows in every GEMM", 24, _wide),
 )
 assert {s.fault for s in SCENARIOS} == set(FAULTS)
 
@@ -169,6 +177,8 @@ def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = fro
     report = Report(sc.name, tuple(sorted(faults)), audit)
     eng = make_engine(bundle, sc.kv_blocks, faults=faults, audit=audit)
     tokens, cached, problems = _drive(eng, arrivals, check_invariants=True)
+    if not eng.model.numerics.invariant:
+        problems.append(f"numerics: {eng.model.numerics.summary()}")
     for p in problems:
         kind = p.split(":", 1)[0]
         if kind not in report.caught_by:

@@ -1,5 +1,6 @@
-"""Owns isolab's native kernels: paged attention that reads K/V straight from the pool, and the
-fused per-row ops around it (RMSNorm, residual add + RMSNorm, RoPE, SiLU * up).
+"""Owns isolab's native kernels: the GEMM on packed weights, paged attention that reads K/V
+straight from the pool, and the fused per-row ops around it (RMSNorm, residual add + RMSNorm,
+RoPE, SiLU * up).
 
 Built on first use with the system C++ compiler into ~/.cache/isolab/kernels (keyed by the
 source, the flags, the compiler and the CPU), loaded with ctypes, and run on torch's own OpenMP
@@ -8,8 +9,14 @@ threads (the .so links the libgomp that torch has already loaded). Where they ca
 runs its torch path (`LlamaModel.forward`'s torch ops and `attention_core`); `ISOLAB_NATIVE=0`
 forces that path.
 
-Every kernel computes one output row per thread in an order fixed by that row alone, which is
-what makes the engine's results independent of the batch in fp32 as well as bf16.
+ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512` builds
+for a lower level instead (x86-64, x86-64-v3, x86-64-v4), so tests can run every code path this
+CPU can execute. A level the CPU lacks is refused with a sentence.
+
+Every kernel computes each output element in an order fixed by that element's row alone, which is
+what makes the engine's results independent of the batch in fp32 as well as bf16. The GEMM goes
+further: its per-element fma chain is the same on every ISA level, so its bits are the same on
+every x86 CPU (gemm.cpp).
 """
 
 from __future__ import annotations
@@ -29,9 +36,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("pointwise.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
+# ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
+ISA_LEVELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "generic": ("-march=x86-64", ()),
+    "avx2": ("-march=x86-64-v3", ("avx2", "fma", "f16c", "bmi2")),
+    "avx512": ("-march=x86-64-v4", ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
+    "native": ("-march=native", ()),
+}
+GEMM_PAD_N = 32  # packed weights have N padded to this (the widest tile of any ISA level)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
 
@@ -50,12 +65,41 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for ln in text.splitlines():
+        if ln.startswith("flags"):
+            return set(ln.split(":", 1)[1].split())
+    return set()
+
+
+def isa_levels() -> list[str]:
+    """The ISA levels this CPU can run, lowest first (x86-64 only; elsewhere just native)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    flags = _cpu_flags()
+    return [name for name, (_, need) in ISA_LEVELS.items() if all(f in flags for f in need)]
+
+
+def isa_level() -> str:
+    """The level the kernels are built for: ISOLAB_KERNEL_ISA, default native."""
+    level = os.environ.get("ISOLAB_KERNEL_ISA", "native") or "native"
+    if level not in ISA_LEVELS:
+        raise BuildError(f"ISOLAB_KERNEL_ISA={level!r} is not a level; choose one of {', '.join(ISA_LEVELS)}")
+    if level not in isa_levels():
+        raise BuildError(f"ISOLAB_KERNEL_ISA={level} needs CPU features this CPU lacks; it runs: {', '.join(isa_levels())}")
+    return level
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("ISOLAB_NATIVE", "1") == "0":
         return None
     try:
-        target = build()
+        target = build(isa=isa_level())
     except (OSError, subprocess.SubprocessError, BuildError) as exc:
         log.warning("native kernels unavailable, using the torch path (slower): %s", exc)
         return None
@@ -68,13 +112,41 @@ def _library() -> ctypes.CDLL | None:
         "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
         "silu_mul": [ptr, ptr, i32, i32],
         "rope": [ptr, ptr, ptr, ptr, i32, i32, i32, i32],
+        "gemm": [ptr, i64, ptr, ptr, i32, i32, i32],
     }
     for name, args in signatures.items():
         for suffix in ("bf16", "fp32"):
             fn = getattr(lib, f"isolab_{name}_{suffix}")
             fn.restype = None
             fn.argtypes = args
+    lib.isolab_gemm_isa.restype = ctypes.c_char_p
+    lib.isolab_gemm_isa.argtypes = []
+    lib.isolab_attention_fast_paths.restype = None
+    lib.isolab_attention_fast_paths.argtypes = [i32]
+    lib.isolab_attention_bf16_dot.restype = i32
+    lib.isolab_attention_bf16_dot.argtypes = []
     return lib
+
+
+def attention_fast_paths(on: bool) -> None:
+    """Let rows with bs = 16, Dh = 64 take the vectorized kernels (default), or send every row
+    through the generic one (tests compare them)."""
+    lib = _library()
+    assert lib is not None
+    lib.isolab_attention_fast_paths(int(on))
+
+
+def attention_bf16_dot() -> bool:
+    """Whether bf16 attention uses AVX512-BF16 dot products (other rounding than the generic path)."""
+    lib = _library()
+    return lib is not None and bool(lib.isolab_attention_bf16_dot())
+
+
+def gemm_isa() -> str:
+    """Which code path the GEMM was compiled to: avx512, avx2 or generic."""
+    lib = _library()
+    assert lib is not None
+    return lib.isolab_gemm_isa().decode()
 
 
 def _fn(name: str, dtype: torch.dtype):  # the bf16 or fp32 entry point
@@ -87,21 +159,22 @@ class BuildError(RuntimeError):
     pass
 
 
-def build(cxx: str | None = None, cache_dir: Path | None = None) -> Path:
-    """Compile the kernels (once per source, flags, compiler and CPU) and return the .so path."""
+def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "native") -> Path:
+    """Compile the kernels (once per source, flags, ISA level, compiler and CPU) and return the .so path."""
     found = shutil.which(cxx or os.environ.get("CXX", "g++"))
     if found is None or platform.system() != "Linux":
         raise BuildError(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on {platform.system()}")
+    flags = (*FLAGS, ISA_LEVELS[isa][0])
     src = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
     target = (cache_dir or _cache_dir()) / f"isolab-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        res = subprocess.run([found, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
+        res = subprocess.run([found, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
                              timeout=600)
         if res.returncode != 0:
             raise BuildError(f"{found} failed: {res.stderr.strip()[-800:]}")
@@ -178,3 +251,34 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     positions = positions.contiguous()
     _fn("rope", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                            qkv.shape[0], heads, qkv.shape[1], head_dim)
+
+
+@functools.lru_cache(maxsize=1)
+def build_key() -> str:
+    """The loaded kernel build (its file name carries the hash of sources, flags, compiler and CPU)."""
+    build_path = build(isa=isa_level())
+    return build_path.stem
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 or fp32 -> the GEMM's packed panels (gemm.cpp), N padded to GEMM_PAD_N:
+    fp32 (Np/16, K, 16); bf16 (Np/16, K/2, 16, 2). bf16 needs an even K."""
+    n, k = w.shape
+    assert w.dtype in (torch.bfloat16, torch.float32) and (w.dtype == torch.float32 or k % 2 == 0)
+    n_pad = -(-n // GEMM_PAD_N) * GEMM_PAD_N
+    wp = torch.zeros(n_pad, k, dtype=w.dtype, device=w.device)
+    wp[:n] = w
+    if w.dtype == torch.bfloat16:
+        return wp.view(n_pad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return wp.view(n_pad // 16, 16, k).permute(0, 2, 1).contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x (M, K) @ W.T -> (M, n), W packed by pack_weight. Each output element is one fma chain over
+    k in order, so a row's bits depend on nothing but the row and W (gemm.cpp)."""
+    m, k = x.shape
+    assert x.dtype == packed.dtype and x.stride(1) == 1 and packed.is_contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _fn("gemm", x.dtype)(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), m, n, k)
+    return out

@@ -131,6 +131,83 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
     }
 }
 
+// bf16, bs = 16, Dh = 64, on CPUs without AVX512-BF16: attend_row's arithmetic (fp32 products and
+// sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
+// layouts, 16 lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
+// key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
+template <int G>
+static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const uint16_t* vplane, const int32_t* table,
+                             int L, long NB, int h, float scale, uint16_t* out, float* sc, int Lpad) {
+    constexpr int BS = 16, DH = 64;
+    const int nblk = (L + BS - 1) / BS;
+    const v16u hi = v16u{} + 0xffff0000u;
+    float qf[G][DH];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
+    for (int i = 0; i < nblk; i++) {
+        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        v16f acc[G];
+        for (int g = 0; g < G; g++) acc[g] = v16f{};
+        for (int p = 0; p < DH / 2; p++) {
+            v16u u;
+            std::memcpy(&u, kb + p * BS * 2, 64);
+            v16f k0, k1;
+            const v16u u0 = u << 16, u1 = u & hi;
+            std::memcpy(&k0, &u0, 64);
+            std::memcpy(&k1, &u1, 64);
+            for (int g = 0; g < G; g++) {
+                acc[g] += qf[g][2 * p] * k0;
+                acc[g] += qf[g][2 * p + 1] * k1;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            v16f sv = acc[g] * scale;
+            std::memcpy(sc + (long)g * Lpad + (long)i * BS, &sv, 64);
+        }
+    }
+    float sum[G];
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
+    v16f o[G][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) o[g][c] = v16f{};
+    const int even = L & ~1;
+    for (int k = 0; k < even; k += 2) {
+        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
+        v16f v0[4], v1[4];
+        for (int c = 0; c < 4; c++) {
+            v16u u;
+            std::memcpy(&u, vb + c * 32, 64);
+            const v16u u0 = u << 16, u1 = u & hi;
+            std::memcpy(&v0[c], &u0, 64);
+            std::memcpy(&v1[c], &u1, 64);
+        }
+        for (int g = 0; g < G; g++) {
+            const float p0 = sc[(long)g * Lpad + k], p1 = sc[(long)g * Lpad + k + 1];
+            for (int c = 0; c < 4; c++) {
+                o[g][c] += p0 * v0[c];
+                o[g][c] += p1 * v1[c];
+            }
+        }
+    }
+    if (L & 1) {  // the odd last key: the low half of its pair
+        const int k = L - 1;
+        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
+        for (int c = 0; c < 4; c++) {
+            v16u u;
+            std::memcpy(&u, vb + c * 32, 64);
+            const v16u u0 = u << 16;
+            v16f v0;
+            std::memcpy(&v0, &u0, 64);
+            for (int g = 0; g < G; g++) o[g][c] += sc[(long)g * Lpad + k] * v0;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float inv = 1.0f / sum[g];
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 16; l++) store(out, (long)g * DH + c * 16 + l, o[g][c][l] * inv);
+    }
+}
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -208,6 +285,13 @@ static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, con
             case 3: attend_row_bf16<3>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
             case 4: attend_row_bf16<4>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
         }
+#else
+        switch (G) {
+            case 1: attend_row_pairs<1>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 2: attend_row_pairs<2>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 3: attend_row_pairs<3>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 4: attend_row_pairs<4>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+        }
 #endif
         return false;
     } else {
@@ -220,6 +304,8 @@ static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, con
         return false;
     }
 }
+
+static int fast_paths = 1;  // 0: every row takes attend_row (tests compare the two)
 
 template <typename T>
 static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, T* kplane,
@@ -258,7 +344,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
-            if (bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
+            if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
                 continue;
             if (bs == 16)
                 attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
@@ -270,6 +356,8 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
 }
 
 extern "C" {
+void isolab_attention_fast_paths(int on) { fast_paths = on; }
+int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT; }
 // q, k_new, v_new: rows of one (N, W) buffer with row stride qs elements (q: H heads, k and v:
 // Hkv heads, each Dh contiguous); slots: (N,) flat slot of each row's new K/V, or null to write
 // nothing; out: (N, H, Dh) contiguous; tables: (R, table_len) block ids; row_table: (N,) which

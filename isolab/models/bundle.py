@@ -1,6 +1,6 @@
 """Owns loading a model once: GGUF weights, the forward's parameters and the tokenizer, together.
 
-Bundles are cached per (path, dtype, device): engines with different cache settings (tests,
+Bundles are cached per (path, dtype, device, GEMM path): engines with different cache settings (tests,
 fault injection, tenants) share one read-only copy of the weights.
 """
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from isolab.models.gguf_loader import LlamaHParams, load_gguf
+from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
 from isolab.models.locate import resolve_model_path
 from isolab.models.tokenizer import Tokenizer
@@ -36,14 +37,16 @@ def pick_device(device: str | None) -> torch.device:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, dtype: str, device: str) -> ModelBundle:
+def _load(path: str, dtype: str, device: str, gemm: GemmPath | None) -> ModelBundle:
     loaded = load_gguf(path)
-    model = LlamaModel(loaded, dtype=dtype, device=device)
+    model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm)
     tokenizer = Tokenizer(Path(path), loaded.fingerprint)
     name = str(loaded.metadata.get("general.name") or Path(path).stem)
     return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype)
 
 
-def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | None = None) -> ModelBundle:
+def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | None = None,
+                gemm: GemmPath | None = None) -> ModelBundle:
+    """gemm: None picks the first GEMM path that passes the invariance check (models/invariance.py)."""
     path = resolve_model_path(model).resolve() if model is not None else resolve_model_path(None)
-    return _load(str(path), dtype, str(pick_device(device)))
+    return _load(str(path), dtype, str(pick_device(device)), gemm)

@@ -25,5 +25,9 @@ FAULT_VISIBILITY: dict[str, tuple[str | None, str]] = {
     "write-shared": ("prefix-cache", "a prompt that extends a running request's prompt corrupts one of the two: "
                      "outputs differ from their cold runs"),
     "shared-rng": ("seeded", "the same seeded request is not reproducible, alone or under load"),
+    "batch-variant-gemm": ("concurrency (with --exact)", "a target's logprobs under load differ from its run alone "
+                           "in the last bits; without --exact such differences are batch variance, which the probe "
+                           "must tolerate on servers whose numerics are not invariant. /health says "
+                           "batch_invariant: false"),
 }
 assert set(FAULT_VISIBILITY) == set(FAULTS), "every fault in the catalogue needs a row"

@@ -145,7 +145,8 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     def queue_length() -> int:
         return int(engine_loop.stats.get("waiting", 0)) + engine_loop.num_pending_commands
 
-    metrics = ServerMetrics(lambda: engine_loop.stats, queue_length)
+    numerics = engine.model.numerics  # measured once at start (models/invariance.py); read-only after
+    metrics = ServerMetrics(lambda: engine_loop.stats, queue_length, numerics)
     serving = Serving(engine_loop, config, metrics, model_name, engine.tokenizer, engine.max_model_len, capacity)
 
     @asynccontextmanager
@@ -211,7 +212,8 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
             return JSONResponse({"status": "draining"}, status_code=503)
         if not engine_loop.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
+                             "cpu": numerics.cpu})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

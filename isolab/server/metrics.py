@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from isolab.models.invariance import InvarianceReport
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -47,8 +49,15 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, float]], queue_length: Callable[[], int]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, float]], queue_length: Callable[[], int],
+                 numerics: InvarianceReport | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if numerics is not None:  # what the isolation proof stands on, measured at start
+            Gauge("isolab_batch_invariant", "1 if the start-up check found every GEMM and attention case "
+                  "batch-invariant on this machine, else 0", registry=r).set(int(numerics.invariant))
+            Info("isolab_numerics", "the numerics path the engine runs", registry=r).info(
+                {"path": numerics.numerics, "gemm": numerics.gemm_path, "attention": numerics.attention,
+                 "dtype": numerics.dtype, "kernel_isa": numerics.kernel_isa or "none"})
         self.http_requests = Counter(
             "isolab_http_requests", "HTTP requests answered, by route and status code", ["route", "code"], registry=r
         )

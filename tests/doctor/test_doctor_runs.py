@@ -11,7 +11,7 @@ import pytest
 from isolab.cli import main
 from isolab.doctor.experiments import diagnose
 from isolab.doctor.http_target import HttpTarget
-from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, SHARED_NOT_CACHE, judge
+from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, NUMERICS, SHARED_NOT_CACHE, judge
 from isolab.doctor.workload import builtin_workload
 from isolab.engine.faults import FAULTS
 from isolab.errors import InvalidRequestError
@@ -28,14 +28,14 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-EXPECTED = [(None, NO_SYMPTOM, set())] + [
-    (f, SHARED_NOT_CACHE if f == "shared-rng" else CACHE_ISOLATION, {"a"} if f == "shared-rng" else {"a", "d"}) for f in FAULTS
-]
+VERDICT = {"shared-rng": (SHARED_NOT_CACHE, {"a"}), "batch-variant-gemm": (NUMERICS, {"a"})}
+EXPECTED = [(None, NO_SYMPTOM, set())] + [(f, *VERDICT.get(f, (CACHE_ISOLATION, {"a", "d"}))) for f in FAULTS]
 
 
 @pytest.mark.parametrize("fault,verdict,fired", EXPECTED, ids=[str(e[0]) for e in EXPECTED])
 def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
-    """Healthy: no symptom; every cache fault: cache isolation; shared-rng: shared state, not the cache."""
+    """Healthy: no symptom; every cache fault: cache isolation; shared-rng: shared state, not the cache;
+    a batch-variant GEMM: the numerics, never contamination."""
     out = tmp_path / "d.json"
     engine_args = f"--model {tiny_path} --device cpu --kv-cache-memory 256KiB" + (f" --inject-fault {fault}" if fault else "")
     rc = main(["doctor", "--engine-args", engine_args, "--json", str(out)])
@@ -43,6 +43,7 @@ def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
     assert data["verdict"] == verdict, data["answers"]
     assert fired <= set(data["fired"])
     assert rc == (0 if fault is None else 1)
+    assert data["batch_invariant"] is (fault != "batch-variant-gemm")
     if fault == "shared-rng":  # only the seeded sampling requests are hurt
         ids = {s["item_id"] for r in data["runs"]["sweep"] for s in r["symptoms"]}
         seeded = {it.item_id for it in builtin_workload() if it.seed is not None}

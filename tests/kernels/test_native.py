@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from isolab import kernels
-from isolab.models.llama import attention_core, gather_kv, write_kv
+from isolab.models.attention import attention_core, gather_kv, write_kv
 
 DTYPES = {"bf16": (torch.bfloat16, 2e-2), "fp32": (torch.float32, 2e-5)}
 CPU = torch.device("cpu")

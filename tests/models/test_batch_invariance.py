@@ -1,34 +1,184 @@
-"""A GEMM row gets the same bits whatever else is in the batch (models/llama.py:Weight): prepacked
-oneDNN weights are invariant for every M >= 2, and a single row is padded to two because M = 1
-takes another kernel. The shape is SmolLM2-135M's down projection, where M = 1 differs."""
+"""Batch invariance by construction, verified where it runs (docs/engine.md, "Numerics").
+
+- isolab's GEMM gives a row the same bits at every M, and the same bits at every ISA level this
+  CPU can run (ISOLAB_KERNEL_ISA forced down in subprocesses);
+- under every oneDNN ISA cap this CPU can emulate (ONEDNN_MAX_CPU_ISA), the engine's start-up
+  check picks a path that passes;
+- a GEMM whose reduction order depends on M (the batch-variant-gemm fault's split-k) is detected
+  and refused, and the verdict is cached per machine and shape.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from isolab.models.llama import Weight
+from isolab import kernels
+from isolab.models import invariance
+from isolab.models.linear import Weight
+
+pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.float32, 4, 2, 64),
+                                reason="native kernels do not build here")
+
+SMOL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_row_gets_the_same_bits_at_every_batch_size(dtype):
+def test_isolab_gemm_gives_a_row_the_same_bits_at_every_m(dtype):
     g = torch.Generator().manual_seed(0)
-    w = Weight(torch.randn(576, 1536, generator=g).to(dtype))
+    w = Weight(torch.randn(576, 1536, generator=g).to(dtype), "isolab")
     x = torch.randn(256, 1536, generator=g).to(dtype)
     full = w(x)
-    for m in (1, 2, 3, 5, 17, 64):
+    for m in (1, 2, 3, 5, 9, 17, 33, 64):
         for s in range(0, 256 - m + 1, m):
             assert torch.equal(w(x[s : s + m]), full[s : s + m]), (m, s)
+    # the padding columns of a width that is not a multiple of the panel are never written
+    w2 = Weight(torch.randn(50, 64, generator=g).to(dtype), "isolab")
+    assert w2(x[:3, :64]).shape == (3, 50)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_single_row_padding_is_what_keeps_m1_invariant(dtype):
-    """Switch the protection off (call the GEMM on one row directly): rows change bits."""
-    g = torch.Generator().manual_seed(0)
-    w = Weight(torch.randn(576, 1536, generator=g).to(dtype))
-    if w.packed is None:
-        pytest.skip("no oneDNN here: F.linear path")
-    x = torch.randn(256, 1536, generator=g).to(dtype)
-    full = w(x)
-    unpadded = sum(int((w._apply(x[i : i + 1]) != full[i : i + 1]).sum()) for i in range(256))
-    assert unpadded > 0, "M = 1 no longer differs: the padding may be dropped"
+def test_isolab_gemm_is_close_to_the_exact_product(dtype):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 96, generator=g).to(dtype)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    exact = x.double() @ w.double().T
+    got = Weight(w, "isolab")(x).double()
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert ((got - exact).abs() <= tol * exact.abs() + 1e-4).all()
+
+
+_LEVEL_SCRIPT = """
+import sys, torch
+from isolab import kernels
+from isolab.models.linear import Weight
+from isolab.models.attention import write_kv
+g = torch.Generator().manual_seed(2)
+out = {"isa": kernels.gemm_isa(), "bf16_dot": kernels.attention_bf16_dot()}
+for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    w = torch.randn(130, 576, generator=g).to(dt)
+    x = torch.randn(19, 576, generator=g).to(dt)
+    out["gemm_" + name] = Weight(w, "isolab")(x)
+    hkv, heads, dh, bs, b, nb = 3, 9, 64, 16, 4, 6
+    pool = torch.randn(2, hkv, b * nb + 1, bs, dh, generator=g).to(dt)
+    tables = (torch.arange(b * nb, dtype=torch.int32) + 1).view(b, nb)
+    q = torch.randn(b, heads, dh, generator=g).to(dt)
+    pos = torch.tensor([5, 40, 77, 95], dtype=torch.int32)
+    out["attention_" + name] = kernels.paged_attention(q, pool, tables, torch.arange(b, dtype=torch.int32), pos, 0.125)
+    h = torch.randn(7, 576, generator=g).to(dt)
+    out["rms_" + name] = kernels.rms_norm(h, torch.randn(576, generator=g).to(dt), 1e-5)
+    out["silu_" + name] = kernels.silu_mul(torch.randn(7, 256, generator=g).to(dt))
+torch.save(out, sys.argv[1])
+"""
+
+
+def _run_level(tmp_path, env_extra: dict[str, str], name: str) -> dict:
+    target = tmp_path / f"{name}.pt"
+    env = {**os.environ, **env_extra}
+    res = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT, str(target)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return torch.load(target)
+
+
+def test_every_isa_level_gives_the_same_bits(tmp_path):
+    """The kernels built for each level this CPU runs (generic SSE2 with software fma, AVX2+FMA,
+    AVX-512, native): GEMM, attention and row ops give identical bits. bf16 attention on AVX512-BF16
+    dot products rounds otherwise, and is compared only between levels that do not use them."""
+    levels = kernels.isa_levels()
+    assert "generic" in levels and "native" in levels
+    got = {lv: _run_level(tmp_path, {"ISOLAB_KERNEL_ISA": lv}, lv) for lv in levels}
+    assert got["generic"]["isa"] == "generic"
+    base = got["generic"]
+    for lv, out in got.items():
+        for key, value in base.items():
+            if key in ("isa", "bf16_dot") or (key == "attention_bf16" and out["bf16_dot"]):
+                continue
+            assert torch.equal(out[key], value), f"{key} differs between generic and {lv} ({out['isa']})"
+
+
+def test_a_level_the_cpu_lacks_is_refused_with_a_sentence(monkeypatch):
+    monkeypatch.setenv("ISOLAB_KERNEL_ISA", "avx1024")
+    with pytest.raises(kernels.BuildError, match="not a level"):
+        kernels.isa_level()
+    monkeypatch.setattr(kernels, "isa_levels", lambda: ["generic", "native"])
+    monkeypatch.setenv("ISOLAB_KERNEL_ISA", "avx512")
+    with pytest.raises(kernels.BuildError, match="lacks"):
+        kernels.isa_level()
+
+
+_CAP_SCRIPT = """
+import json, sys, torch
+from isolab.models import invariance
+shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+out = {}
+for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    r = invariance.choose(shapes, dt, torch.device("cpu"), (9, 3, 64), True)
+    out[name] = {"invariant": r.invariant, "path": r.gemm_path, "rejected": list(r.rejected)}
+print(json.dumps(out))
+"""
+
+ONEDNN_CAPS = {"AVX2": "avx2", "AVX512_CORE": "avx512f", "AVX512_CORE_BF16": "avx512_bf16",
+               "AVX512_CORE_AMX": "amx_bf16"}
+
+
+@pytest.mark.slow
+def test_under_every_onednn_isa_cap_the_engine_runs_an_invariant_path(tmp_path):
+    """ONEDNN_MAX_CPU_ISA at each level this CPU has: the start-up check (fresh cache) chooses a
+    GEMM path that is invariant, in bf16 and fp32."""
+    flags = kernels._cpu_flags()
+    caps = [cap for cap, flag in ONEDNN_CAPS.items() if flag in flags]
+    assert caps, "this CPU has not even AVX2"
+    for cap in caps:
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "ISOLAB_INVARIANCE_CACHE": str(tmp_path / cap)}
+        res = subprocess.run([sys.executable, "-c", _CAP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        for dname, r in out.items():
+            assert r["invariant"], (cap, dname, r)
+
+
+def test_a_batch_variant_gemm_is_detected_and_refused(tmp_path, monkeypatch):
+    """The protection switched off: split-k (a reduction order that changes at M >= 8) fails the
+    check, and the chooser refuses it for the next path, saying why."""
+    monkeypatch.setenv("ISOLAB_INVARIANCE_CACHE", str(tmp_path))
+    bad = invariance.check("split-k", [(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True)
+    assert not bad.gemm_ok and not bad.invariant
+    per = bad.gemm_mismatches["96x64"]
+    # against 512 rows in one call (split), the slices of fewer than 8 rows (not split) differ
+    assert per["1"] > 0 and per["5"] > 0 and per["9"] == per["64"] == 0
+    monkeypatch.setattr(invariance, "GEMM_PATHS", ("split-k", "isolab"))
+    monkeypatch.setattr(invariance, "path_applies", lambda *a: True)
+    chosen = invariance.choose([(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True)
+    assert chosen.gemm_path == "isolab" and chosen.invariant
+    assert len(chosen.rejected) == 1 and "split-k" in chosen.rejected[0] and "NOT batch-invariant" in chosen.rejected[0]
+    forced = invariance.choose([(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True, forced="split-k")
+    assert forced.gemm_path == "split-k" and not forced.invariant
+
+
+def test_the_verdict_is_cached_per_machine_and_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISOLAB_INVARIANCE_CACHE", str(tmp_path))
+    args = ([(64, 32)], torch.float32, torch.device("cpu"), (4, 2, 64), True)
+    first = invariance.check("isolab", *args)
+    again = invariance.check("isolab", *args)
+    assert not first.cached and again.cached and again.gemm_mismatches == first.gemm_mismatches
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another library configuration: checked anew
+    assert not invariance.check("isolab", *args).cached
+    assert not invariance.check("isolab", [(64, 34)], *args[1:]).cached
+
+
+def test_the_attention_check_sees_a_batch_dependent_kernel(monkeypatch):
+    """Attention whose output depends on the batch (a row's result scaled by the row count) fails."""
+    real = kernels.paged_attention
+
+    def leaky(q, *a, **k):
+        return real(q, *a, **k) * (1 + 1e-2 * (q.shape[0] > 1))
+
+    monkeypatch.setattr(invariance.kernels, "paged_attention", leaky)
+    got = invariance.attention_mismatches(torch.float32, torch.device("cpu"), 4, 2, 64, native=True)
+    assert got["batch_vs_solo"] > 0

@@ -135,7 +135,14 @@ def test_stop_string_is_cut_out_streamed_and_not(srv):
 def test_models_and_health(srv):
     models = srv.client().models.list()
     assert [m.id for m in models.data] == [srv.model]
-    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(srv.url + "/health").json()
+    numerics = srv.engine.model.numerics  # the start-up invariance check, as /health and /metrics report it
+    assert health == {"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
+                      "cpu": numerics.cpu}
+    assert health["batch_invariant"] is True  # isolab's own GEMM and kernels: invariant on every CPU
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert "isolab_batch_invariant 1.0" in metrics
+    assert f'isolab_numerics_info{{attention="{numerics.attention}"' in metrics
 
 
 def _assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:

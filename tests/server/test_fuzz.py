@@ -124,7 +124,8 @@ def test_fuzzed_bodies_never_5xx(srv, path):
     STATUSES.clear()
     run()
     # not vacuous: the fuzzer reached generation (200) and the validators (4xx) alike
-    assert STATUSES.count(200) >= 10 and sum(400 <= c < 500 for c in STATUSES) >= 10, sorted(set(STATUSES))
+    # (about a tenth of the derandomized bodies are valid; a loaded machine has seen 9 of 120)
+    assert STATUSES.count(200) >= 5 and sum(400 <= c < 500 for c in STATUSES) >= 10, sorted(set(STATUSES))
     srv.wait_idle()
     assert srv.engine.kv.num_held_blocks() == 0
     srv.engine.pool.check_invariants()

@@ -1,0 +1,256 @@
+"""Owns the start-up check that the forward's numerics are batch-invariant on this machine.
+
+Everything isolab proves about isolation compares a request's bits batched with its bits alone:
+any difference is taken as contamination. That is only sound where each op gives a row the same
+bits whatever else is in the call. So when an engine starts it measures it, on the model's own
+shapes: every GEMM at M in CHECK_M (a row's bits in each slice against the same rows computed in
+one call of MAX_M), and attention three ways (32 rows vs each alone, keys padded vs exact, a
+40-query chunk vs one by one). A GEMM path that fails is refused and the next is tried
+(models/linear.py: GEMM_PATHS); if none passes, the engine runs and says so.
+
+The verdict is cached as JSON under the user cache dir, keyed by everything that shapes it: the
+CPU (model and flags), torch's version, the kernel build, the ISA caps in the environment, the
+device, dtype, path and shapes. So the check costs seconds once per machine and model shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from isolab import kernels
+from isolab.models.attention import attention_core, write_kv
+from isolab.models.linear import GEMM_PATHS, GemmPath, Weight, path_applies
+
+log = logging.getLogger(__name__)
+
+CHECK_M = (1, 2, 3, 5, 9, 17, 32, 33, 64, 128, 512)
+MAX_M = 512
+MAX_M_WIDE = 128  # rows for a GEMM wider than WIDE columns (the vocabulary head): bounds the cost
+WIDE = 16384
+CHECK_VERSION = 1  # bump when the check itself changes: old verdicts are then not reused
+
+
+@dataclass(frozen=True)
+class InvarianceReport:
+    """What the check found for one (device, dtype, GEMM path, attention path, shapes)."""
+
+    invariant: bool  # every GEMM and attention case gave 0 differing outputs
+    gemm_path: str  # models/linear.py: GemmPath
+    attention: str  # "native" (isolab's paged kernel) or "torch" (attention_core)
+    kernel_isa: str | None  # the native kernels' code path (gemm.cpp), None on the torch path
+    cpu: str  # the CPU's model name and the flags that pick library kernels
+    dtype: str
+    gemm_mismatches: dict[str, dict[str, int]]  # "NxK" -> {M: differing outputs}
+    attention_mismatches: dict[str, int]
+    seconds: float  # what the check took when it ran (0 work when read from the cache)
+    cached: bool = False
+    rejected: tuple[str, ...] = ()  # paths tried before this one and why they were refused
+    env: dict[str, str] = field(default_factory=dict)  # ONEDNN_MAX_CPU_ISA / ISOLAB_KERNEL_ISA if set
+
+    @property
+    def gemm_ok(self) -> bool:
+        return all(v == 0 for per in self.gemm_mismatches.values() for v in per.values())
+
+    @property
+    def numerics(self) -> str:
+        """One line for /health, logs and reports: e.g. 'isolab-gemm/avx2 + native attention'."""
+        g = f"{self.gemm_path}-gemm" + (f"/{self.kernel_isa}" if self.gemm_path == "isolab" and self.kernel_isa else "")
+        return f"{g} + {self.attention} attention"
+
+    def summary(self) -> str:
+        verdict = "batch-invariant" if self.invariant else "NOT batch-invariant"
+        bad = [f"{s} at M={m}" for s, per in self.gemm_mismatches.items() for m, n in per.items() if n]
+        bad += [k for k, n in self.attention_mismatches.items() if n]
+        tail = f" (differs: {', '.join(bad[:4])}{'...' if len(bad) > 4 else ''})" if bad else ""
+        return f"{verdict}: {self.numerics}, {self.dtype}, on {self.cpu.split(';')[0]}{tail}"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["numerics"] = self.numerics
+        return d
+
+
+def cpu_description() -> str:
+    """'model name; flags that change library kernels' (AMX, AVX-512 BF16/VNNI, AVX-512, AVX2)."""
+    model = ""
+    flags: set[str] = set()
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name") and not model:
+                model = ln.split(":", 1)[1].strip()
+            elif ln.startswith("flags") and not flags:
+                flags = set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    keep = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
+    return f"{model or 'unknown CPU'}; {' '.join(f for f in keep if f in flags) or 'no AVX2'}"
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ISOLAB_INVARIANCE_CACHE"):
+        return Path(os.environ["ISOLAB_INVARIANCE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "isolab" / "invariance"
+
+
+def _env() -> dict[str, str]:
+    return {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ISOLAB_KERNEL_ISA") if os.environ.get(k)}
+
+
+def gemm_mismatches(fn, n: int, k: int, dtype: torch.dtype, device: torch.device,
+                    ms: tuple[int, ...] = CHECK_M) -> dict[str, int]:
+    """fn(x (M, K)) -> (M, n), the GEMM under test with its weight bound. Rows computed in one call
+    of MAX_M rows against the same rows in slices of M (at the start and at the end of the block);
+    returns {M: differing outputs}."""
+    g = torch.Generator().manual_seed(n * 7919 + k)
+    rows = MAX_M if n <= WIDE else MAX_M_WIDE
+    x = torch.randn(rows, k, generator=g).to(device=device, dtype=dtype)
+    ref = fn(x)
+    out: dict[str, int] = {}
+    for m in ms:
+        if m > rows:
+            continue
+        bad = 0
+        for s in sorted({0, rows - m, (rows // 2) // m * m}):
+            bad += int((fn(x[s : s + m]) != ref[s : s + m]).sum())
+        out[str(m)] = bad
+    return out
+
+
+def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, hkv: int, dh: int,
+                         native: bool, bs: int = 16) -> dict[str, int]:
+    """Attention on the same queries and keys grouped three ways: 32 decode rows at once vs each
+    alone, keys covered exactly vs padded to whole blocks, and 40 prompt queries in one chunk vs
+    one at a time (what preemption and prefix hits rely on). `native`: isolab's kernel reading a
+    paged pool; else attention_core over gathered keys (the torch path)."""
+    g = torch.Generator().manual_seed(0)
+    b, s = 32, 10 * bs
+    q = torch.randn(b, 1, heads, dh, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
+    pos = torch.randint(s // 4, s - 10, (b, 1), generator=g).to(device)
+
+    if native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
+        nb = s // bs
+        pool = torch.zeros(2, hkv, b * nb + 1, bs, dh, dtype=dtype, device=device)
+        slots = torch.arange(bs, (b * nb + 1) * bs, device=device)
+        write_kv(pool, slots, k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
+        tables = (torch.arange(b * nb, dtype=torch.int32, device=device) + 1).view(b, nb)
+
+        def attend(qs, rows, p, width):
+            t = tables[rows][:, : -(-width // bs)].contiguous()
+            row_table = torch.arange(len(rows), dtype=torch.int32, device=device).repeat_interleave(qs.shape[1])
+            out = kernels.paged_attention(qs.reshape(-1, heads, dh), pool, t, row_table,
+                                          p.reshape(-1).to(torch.int32), dh**-0.5)
+            return out.view(qs.shape)
+    else:
+        def attend(qs, rows, p, width):
+            return attention_core(qs, k[:, rows, :width], v[:, rows, :width], p, dh**-0.5)
+
+    full = attend(q, list(range(b)), pos, s)
+    batch = padded = 0
+    for i in range(b):
+        one = slice(i, i + 1)
+        batch += int((attend(q[one], [i], pos[one], s) != full[one]).sum())
+        width = -(-(int(pos[i]) + 1) // bs) * bs
+        padded += int((attend(q[one], [i], pos[one], width) != full[one]).sum())
+    t = min(40, s - bs)
+    qq = torch.randn(1, t, heads, dh, generator=g).to(device=device, dtype=dtype)
+    tpos = torch.arange(t, device=device).view(1, t)
+    width = -(-t // bs) * bs
+    chunk = attend(qq, [0], tpos, width)
+    split = sum(int((attend(qq[:, j : j + 1], [0], tpos[:, j : j + 1], width) != chunk[:, j : j + 1]).sum())
+                for j in range(t))
+    return {"batch_vs_solo": batch, "padded_vs_exact": padded, "chunk_vs_one_by_one": split}
+
+
+def _key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+          heads: tuple[int, int, int], native_attention: bool, *, use_cache: bool = True) -> InvarianceReport:
+    """Measure one GEMM path on `shapes` [(N, K)] and the attention path on heads (H, Hkv, Dh)."""
+    dname = "bf16" if dtype == torch.bfloat16 else "fp32"
+    kernel_isa = kernels.gemm_isa() if native_attention or path == "isolab" else None
+    parts = {
+        "v": CHECK_VERSION, "cpu": cpu_description(), "torch": torch.__version__, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+        "kernels": kernels.build_key() if kernel_isa else "", "env": _env(), "dtype": dname, "path": path,
+        "shapes": sorted(shapes), "heads": list(heads), "attention": native_attention,
+        "threads": torch.get_num_threads(),
+    }
+    target = _cache_dir() / f"{_key(parts)}.json"
+    if use_cache and target.exists():
+        try:
+            data = json.loads(target.read_text())
+            data.pop("numerics", None)
+            data["rejected"] = tuple(data.get("rejected", ()))
+            return InvarianceReport(**{**data, "cached": True})
+        except (OSError, ValueError, TypeError):
+            pass  # a damaged entry is measured again
+    t0 = time.perf_counter()
+    gm: dict[str, dict[str, int]] = {}
+    with torch.inference_mode():
+        for n, k in sorted(set(shapes)):
+            w = Weight(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(device=device, dtype=dtype),
+                       path)
+            gm[f"{n}x{k}"] = gemm_mismatches(w, n, k, dtype, device)
+        am = attention_mismatches(dtype, device, *heads, native=native_attention)
+    ok = all(v == 0 for per in gm.values() for v in per.values()) and all(v == 0 for v in am.values())
+    report = InvarianceReport(
+        invariant=ok, gemm_path=path, attention="native" if native_attention else "torch", kernel_isa=kernel_isa,
+        cpu=cpu_description(), dtype=dname, gemm_mismatches=gm, attention_mismatches=am,
+        seconds=round(time.perf_counter() - t0, 3), env=_env(),
+    )
+    if use_cache:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(report), indent=1))
+            os.replace(tmp, target)
+        except OSError as exc:  # a read-only home still runs, it just checks again next time
+            log.warning("could not cache the invariance check: %s", exc)
+    return report
+
+
+def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int],
+           native: bool, forced: GemmPath | None = None) -> InvarianceReport:
+    """The first GEMM path (models/linear.py: GEMM_PATHS) that applies here and whose GEMMs pass the
+    check, with its report (whose verdict covers attention too: no GEMM path mends attention). `forced`: check that path only and keep it whatever the verdict (the
+    --gemm option, and the batch-variant-gemm fault). None passing: the first that applies, with
+    invariant=False and a warning."""
+    candidates = [forced] if forced else [p for p in GEMM_PATHS if path_applies(p, device, dtype, native)]
+    rejected: list[str] = []
+    first: InvarianceReport | None = None
+    for path in candidates:
+        report = check(path, shapes, dtype, device, heads, native)
+        first = first or report
+        if report.gemm_ok or forced:
+            report = dataclasses.replace(report, rejected=tuple(rejected))
+            _log(report)
+            return report
+        rejected.append(report.summary())
+    assert first is not None
+    report = dataclasses.replace(first, rejected=tuple(rejected))
+    _log(report)
+    return report
+
+
+def _log(report: InvarianceReport) -> None:
+    for line in report.rejected:
+        log.warning("GEMM path refused: %s", line)
+    if report.invariant:
+        log.info("numerics %s (%s)", report.summary(), "cached" if report.cached else f"checked in {report.seconds:.1f} s")
+    else:
+        log.warning("numerics %s: batched and solo outputs can differ, so isolation checks that compare "
+                    "them are not conclusive on this machine", report.summary())

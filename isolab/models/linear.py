@@ -1,0 +1,90 @@
+"""Owns the linear layers' GEMM: one weight laid out for one GEMM path, x @ W.T.
+
+The engine's isolation proof needs a row's bits to be the same whatever else is in the batch
+(docs/engine.md, "Numerics"). Paths, in the order the engine prefers them
+(isolab/models/invariance.py verifies the chosen one when the engine starts):
+
+  isolab      isolab's own GEMM on packed panels (isolab/kernels/gemm.cpp): every output element
+              is one fma chain over k in order, so it is invariant by construction, and the same
+              bits on every ISA level. Needs the native kernels (a C++ compiler, a CPU device).
+  onednn      oneDNN on a prepacked weight, a single row padded to two. Invariant on some CPUs
+              (AVX-512 BF16 without AMX), not on others (AMX picks kernels by M): an observed
+              property of one library, so it is used only where the check passes.
+  fixed-tile  any torch GEMM called on blocks of exactly TILE rows (the last one padded): a row's
+              bits can then depend only on its position inside a block, which the check measures.
+              Costs up to TILE x the work at M = 1; a fallback for machines without a compiler.
+  torch       F.linear as it comes: fast, invariant only where the library happens to be.
+  split-k     FAULT batch-variant-gemm: F.linear whose reduction over K is split in two for
+              M >= 8, as libraries do by heuristics. Exists to show the check catches it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from isolab import kernels
+
+GemmPath = Literal["isolab", "onednn", "fixed-tile", "torch", "split-k"]
+GEMM_PATHS: tuple[GemmPath, ...] = ("isolab", "onednn", "fixed-tile", "torch")  # preference order
+TILE = 32  # rows per call on the fixed-tile path
+ONEDNN_BATCH_HINT = 32  # the layout oneDNN picks; any M runs on it, this one is tuned for decode
+
+
+def onednn_can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def path_applies(path: GemmPath, device: torch.device, dtype: torch.dtype, native: bool) -> bool:
+    """Whether `path` can run here at all (not whether it is invariant: the check says that)."""
+    if path == "isolab":
+        return native and device.type == "cpu"
+    if path == "onednn":
+        return onednn_can_pack(device, dtype)
+    return True
+
+
+class Weight:
+    """A linear layer's (N, K) weight on one GEMM path: one copy, in that path's layout."""
+
+    __slots__ = ("path", "n", "data")
+
+    def __init__(self, weight: torch.Tensor, path: GemmPath = "torch") -> None:  # weight: (N, K)
+        self.path: GemmPath = path
+        self.n = weight.shape[0]
+        if path == "isolab":
+            self.data = kernels.pack_weight(weight)  # (N/16, K, 16) or (N/16, K/2, 16, 2) panels
+        elif path == "onednn":
+            self.data = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)  # oneDNN's blocked layout
+        else:
+            self.data = weight  # (N, K) as it came
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: (M, K) -> (M, N)."""
+        if self.path == "isolab":
+            return kernels.gemm(x if x.stride(1) == 1 else x.contiguous(), self.data, self.n)
+        if self.path == "onednn":
+            if x.shape[0] == 1:  # a single row takes another oneDNN kernel: pad it to two
+                return self._onednn(x.expand(2, -1))[:1]
+            return self._onednn(x)
+        if self.path == "fixed-tile":
+            return self._fixed_tile(x)
+        if self.path == "split-k" and x.shape[0] >= 8:
+            half = x.shape[1] // 2
+            lo = F.linear(x[:, :half], self.data[:, :half]).float()
+            return (lo + F.linear(x[:, half:], self.data[:, half:]).float()).to(x.dtype)
+        return F.linear(x, self.data)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, None, "none", [], "")
+
+    def _fixed_tile(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pad = -m % TILE
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        return torch.cat([F.linear(x[s : s + TILE], self.data) for s in range(0, m + pad, TILE)])[:m]
