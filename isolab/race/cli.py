@@ -1,8 +1,9 @@
 """Owns the race lab's command line: `isolab race stress|explore|bench` and `isolab passcode serve`.
 
 Each leaf parser sets `func(args) -> int`; bad input raises InvalidRequestError (exit 2).
-`explore` exits like a test runner: 1 when a failing schedule is found or replayed, 0 when the
-target holds within the bound.
+`explore` exits like a test runner (explorer.types.ExitCode): 0 the target holds within the
+bound, 1 a losing schedule was found or replayed, 2 usage or target error (one sentence),
+3 inconclusive (a budget ran out, or the model cannot run the target; the reason is printed).
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     explore.add_argument("--replay", type=Path, default=None, help="replay a saved schedule instead of searching")
     explore.add_argument("--times", type=int, default=10, help="replays of --replay (default 10)")
     explore.add_argument("--list", action="store_true", help="list the built-in scenarios")
+    explore.add_argument("--trace-module", action="append", default=[], metavar="MODULE",
+                         help="also trace this module (repeatable); by default the target's folder and the "
+                              "non-stdlib, non-site-packages modules it imports are traced")
+    explore.add_argument("--max-executions", type=int, default=100_000, help="execution budget (default 100000)")
+    explore.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                         help="stop searching after this long (exit 3 if nothing was found)")
+    explore.add_argument("--max-steps", type=int, default=10_000,
+                         help="choice points per execution before a thread counts as making no progress")
+    explore.add_argument("--stall-seconds", type=float, default=3.0,
+                         help="a running thread that executes no traced code this long is blocked outside the model")
+    explore.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     explore.set_defaults(func=_explore)
 
     bench = sub.add_parser("bench", help="QPS per variant at 8 threads side by side, and explorer executions/s")
@@ -113,15 +125,18 @@ def _stress(args: argparse.Namespace) -> int:
 
 def _explore(args: argparse.Namespace) -> int:
     from isolab.race.explorer import scenario as scenarios
-    from isolab.race.explorer_cli import run_explore, run_replay
+    from isolab.race.explorer_cli import limits_of, run_explore, run_replay
 
     if args.list:
         print("\n".join(scenarios.builtin_names()))
         return 0
     if args.bound < 0 or args.times < 1 or args.runs < 1 or args.depth < 1:
         raise InvalidRequestError("--bound must be >= 0; --times, --runs and --depth >= 1")
+    if args.max_executions < 1 or args.max_steps < 1 or (args.time_limit is not None and args.time_limit <= 0) \
+            or args.stall_seconds <= 0:
+        raise InvalidRequestError("--max-executions, --max-steps, --time-limit and --stall-seconds must be positive")
     if args.replay is not None:
-        return run_replay(args.target, args.replay, args.times)
+        return run_replay(args.target, args.replay, args.times, limits_of(args))
     if not args.target:
         raise InvalidRequestError("explore needs a TARGET (try --list)")
     return run_explore(args)

@@ -1,69 +1,100 @@
-"""Owns what `isolab race explore` prints: the search summary, the minimal losing schedule's
-narrative, its GIL label, and the replay verdict. Logic lives in explorer.api / schedule."""
+"""Owns what `isolab race explore` prints: the search summary and verdict, the minimal losing
+schedule's narrative, its GIL label, what was not traced, progress on stderr, and the replay
+verdict. Logic lives in explorer.api / search / schedule. Exit codes: explorer.types.ExitCode."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from isolab.race.explorer import narrative
+from isolab.race.explorer import gil, narrative
 from isolab.race.explorer.api import ExploreReport, explore
-from isolab.race.explorer.runtime import SwitchMode
+from isolab.race.explorer.runtime import RunLimits
 from isolab.race.explorer.scenario import load
+from isolab.race.explorer.schedule import absolute_target, replay, save
 from isolab.race.explorer.schedule import load as load_schedule
-from isolab.race.explorer.schedule import replay, save
+from isolab.race.explorer.search import Progress, SearchLimits, Verdict
+from isolab.race.explorer.types import ExitCode, SwitchMode
 
 
 def summary(report: ExploreReport) -> list[str]:
     s = report.search
     levels = ", ".join(f"{b} preemptions: {n}" for b, n in s.per_bound.items() if n)
-    head = f"explore {s.scenario}  switch={s.mode}  strategy={s.strategy}"
-    lines = [head]
+    lines = [f"explore {s.scenario}  switch={s.mode}  strategy={s.strategy}"]
     if report.finding is None:
-        scope = "every schedule within the bound" if s.exhausted else "the schedules tried"
-        lines.append(f"HOLDS: {scope} passed: {s.executions} executions in {s.seconds:.2f}s "
-                     f"({s.executions_per_second:.0f}/s){'; ' + levels if levels else ''}")
-        if s.step_limited:
-            lines.append(f"  note: {s.step_limited} executions hit the choice-point limit (inconclusive)")
+        if s.verdict is Verdict.INCONCLUSIVE:
+            lines.append(f"INCONCLUSIVE after {s.executions} executions in {s.seconds:.2f}s: {s.reason}")
+        else:
+            scope = "every schedule within the bound" if s.exhausted else "the schedules tried"
+            lines.append(f"HOLDS: {scope} passed: {s.executions} executions in {s.seconds:.2f}s "
+                         f"({s.executions_per_second:.0f}/s){'; ' + levels if levels else ''}")
+        lines += _untraced(report)
         return lines
     f = report.finding
     ex = f.execution
     if s.failures > 1 or s.exhausted:
         lines.append(f"losing schedules within the bound: {s.failures} of {s.executions}")
     lines.append(f"FAILED after {s.executions} executions in {s.seconds:.2f}s ({levels})")
-    lines.append(f"  {ex.outcome}: {ex.message}")
-    label = "reachable with the GIL" if f.gil_reachable else "free-threaded only (a preemption falls where CPython 3.11 cannot switch)"
+    lines.append(f"  {ex.verdict}")
+    if ex.gil_reachable:
+        label = "reachable with the GIL"
+    elif f.gil_reachable:
+        label = "this schedule needs a free-threaded switch, but a GIL-faithful schedule loses the same way"
+    else:
+        label = "free-threaded only (a preemption falls where CPython 3.11 cannot switch)"
     lines.append(f"  preemptions: {ex.preemptions}; {label}")
     if f.gil_search is not None:
         g = f.gil_search
         verdict = (f"a GIL-faithful search also fails ({g.failure.message}) after {g.executions} executions"
-                   if g.failure else f"a GIL-faithful search holds: {g.executions} executions, {g.strategy}")
+                   if g.failure else f"a GIL-faithful search {g.verdict.value}: {g.executions} executions, {g.strategy}")
         lines.append(f"  {verdict}")
     lines.append(f"  shrunk: {f.decisions_before} -> {f.decisions_after} scheduling decisions "
                  f"({f.shrink_executions} more executions)")
-    return lines
+    return lines + _untraced(report)
+
+
+def _untraced(report: ExploreReport) -> list[str]:
+    if not report.untraced:
+        return []
+    return [f"  not traced (add with --trace-module): {', '.join(report.untraced)}"]
+
+
+def _progress(p: Progress) -> None:
+    levels = " ".join(f"{b}p:{n}" for b, n in p.per_bound.items() if n)
+    end = "\r" if sys.stderr.isatty() else "\n"
+    print(f"  ... {p.executions:,} executions, {p.distinct_states} distinct end states, {p.seconds:.0f}s  {levels}",
+          file=sys.stderr, end=end, flush=True)
+
+
+def limits_of(args: argparse.Namespace) -> SearchLimits:
+    return SearchLimits(max_executions=args.max_executions, time_limit=args.time_limit,
+                        run=RunLimits(max_points=args.max_steps, stall_seconds=args.stall_seconds))
 
 
 def run_explore(args: argparse.Namespace) -> int:
-    scenario = load(args.target)
+    gil.check_supported()
+    scenario = load(args.target, args.trace_module)
     report = explore(scenario, SwitchMode(args.switch), args.bound, args.strategy, args.seed, args.runs,
-                     args.depth, args.count_all, not args.no_shrink)
+                     args.depth, args.count_all, not args.no_shrink, limits_of(args),
+                     None if args.quiet else _progress)
     print("\n".join(summary(report)))
     if report.finding is None:
-        return 0
+        return int(report.verdict.exit_code)
     print()
     print(narrative.render(report.finding.execution, scenario.names))
     if args.save:
         save(args.save, report.finding.schedule)
-        print(f"\nschedule saved to {args.save}; replay: isolab race explore {scenario.name} --replay {args.save}")
-    return 1
+        print(f"\nschedule saved to {args.save}; replay: isolab race explore --replay {args.save}")
+    return int(ExitCode.BUG)
 
 
-def run_replay(target: str | None, path: Path, times: int) -> int:
+def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits) -> int:
+    gil.check_supported()
     schedule = load_schedule(path)
-    scenario = load(target or schedule.scenario)
-    result = replay(scenario, schedule, times)
-    print(f"replay {path} on {scenario.name} (switch={schedule.switch}): "
+    scenario = load(target or schedule.target or schedule.scenario)
+    result = replay(scenario, schedule, times, limits.run)
+    print(f"replay {path} on {absolute_target(scenario.target or scenario.name)} (switch={schedule.switch}): "
           f"reproduced {result.reproduced} of {result.runs}  [saved outcome: {schedule.outcome}]")
     if result.changed_sources:
         print(f"  source changed since the schedule was saved: {', '.join(result.changed_sources)}")
@@ -71,4 +102,6 @@ def run_replay(target: str | None, path: Path, times: int) -> int:
         print(f"  first divergence: {result.divergence}")
     print()
     print(narrative.render(result.last, scenario.names))
-    return 1 if result.last.failed else 0
+    if result.last.outcome.is_inconclusive:
+        return int(ExitCode.INCONCLUSIVE)
+    return int(ExitCode.BUG) if result.last.failed else int(ExitCode.HOLDS)

@@ -34,7 +34,7 @@ def test_schedule_file_reads_as_text(tmp_path: Path) -> None:
     report = explore(passcode("buggy"), SwitchMode.GIL, bound=1)
     assert report.finding is not None
     text = report.finding.schedule.render()
-    assert text.startswith("# isolab race schedule v1\nscenario: passcode:buggy\nswitch: gil\n")
+    assert text.startswith("# isolab race schedule v1\nscenario: passcode:buggy\ntarget: passcode:buggy\nswitch: gil\n")
     assert " preempt\n" in text and "isolab/race/checkers.py:" in text
 
 

@@ -1,26 +1,47 @@
 """Owns the deterministic interleaving explorer: runs unmodified Python threads one at a time
 under a controlled scheduler, searches schedules, and saves/replays the losing one.
 
-    scenario.py    Scenario (setup, threads, check) and TARGET strings
-    runtime.py     one execution: real threads, a baton, the tracer that finds choice points
-    primitives.py  Lock, RLock, Condition, Event, Semaphore (and so queue.Queue) modelled
-    strategies.py  bounded (iterative preemption bounding), PCT, replay, shrinking
+    types.py       plain data: SwitchMode, Outcome, ExitCode, choice points, Execution
+    gil.py         the CPython 3.11 model: local opcodes, GIL switch points, supported versions
+    scenario.py    Scenario (setup, threads, check), what is traced, and TARGET strings
+    primitives.py  Lock, RLock, Condition, Event, Semaphore (and so queue.Queue) on one base
+    tracer.py      settrace/setprofile hooks: bytecode -> choice points; the narrative
+    runtime.py     one execution: real threads, a baton, the watchdog, stable object names
+    strategies.py  bounded (iterative preemption bounding), PCT, lax replay
+    search.py      the one driver over strategies: budgets, progress, the verdict
+    shrink.py      delta debugging and sliding preemptions to GIL switch points
     schedule.py    the human-readable schedule file, strict replay and divergence
     narrative.py   the per-step story of a losing schedule
+    api.py         explore(): search, shrink, label, record
 """
 
-from isolab.race.explorer.runtime import Execution, SwitchMode, run_once
+from isolab.race.explorer.runtime import RunLimits, run_once
 from isolab.race.explorer.scenario import Scenario, load
-from isolab.race.explorer.strategies import SearchResult, bounded_search, pct_search, shrink
+from isolab.race.explorer.search import (
+    SearchLimits,
+    SearchResult,
+    Verdict,
+    bounded_search,
+    pct_search,
+    search,
+)
+from isolab.race.explorer.shrink import shrink
+from isolab.race.explorer.types import Execution, ExitCode, Outcome, SwitchMode
 
 __all__ = [
     "Execution",
+    "ExitCode",
+    "Outcome",
+    "RunLimits",
     "Scenario",
+    "SearchLimits",
     "SearchResult",
     "SwitchMode",
+    "Verdict",
     "bounded_search",
     "load",
     "pct_search",
     "run_once",
+    "search",
     "shrink",
 ]

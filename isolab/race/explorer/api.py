@@ -3,20 +3,17 @@ label, record the narrative and build the schedule. Printing is the CLI's job.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from isolab.race.explorer.runtime import Execution, SwitchMode, run_once
+from isolab.race.explorer import gil
+from isolab.race.explorer.runtime import run_once
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.schedule import Schedule, from_execution
-from isolab.race.explorer.strategies import (
-    LaxReplayChooser,
-    SearchResult,
-    bounded_search,
-    decisions_of,
-    pct_search,
-    shrink,
-    slide_to_gil,
-)
+from isolab.race.explorer.search import Progress, SearchLimits, SearchResult, Verdict, bounded_search, search
+from isolab.race.explorer.shrink import shrink, slide_to_gil
+from isolab.race.explorer.strategies import BoundedStrategy, LaxReplayChooser, PCTStrategy, decisions_of
+from isolab.race.explorer.types import Execution, SwitchMode
 
 
 @dataclass(frozen=True)
@@ -26,18 +23,23 @@ class Finding:
     decisions_before: int  # non-default choices in the schedule the search found
     decisions_after: int  # ... after shrinking
     shrink_executions: int
-    gil_reachable: bool  # every preemption sits where CPython 3.11 with the GIL can switch
-    gil_search: SearchResult | None  # when not: does a GIL-faithful search find it anyway?
+    gil_reachable: bool  # this schedule, or one a GIL-faithful search found, loses under the GIL
+    gil_search: SearchResult | None  # when this schedule is not GIL-faithful: the GIL-faithful search
 
 
 @dataclass(frozen=True)
 class ExploreReport:
     search: SearchResult
     finding: Finding | None
+    untraced: tuple[str, ...] = ()  # modules the bodies reach that were not traced
 
     @property
     def failed(self) -> bool:
         return self.finding is not None
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.search.verdict
 
 
 def explore(
@@ -50,28 +52,31 @@ def explore(
     depth: int = 2,
     count_all: bool = False,
     do_shrink: bool = True,
+    limits: SearchLimits | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> ExploreReport:
-    if strategy == "bounded":
-        search = bounded_search(scenario, bound, mode, count_all=count_all)
-    else:
-        search = pct_search(scenario, seed=seed, depth=depth, runs=runs, mode=mode)
-    if search.failure is None:
-        return ExploreReport(search, None)
-    failing = search.failure
+    gil.check_supported()
+    limits = limits or SearchLimits()
+    chosen = BoundedStrategy(bound) if strategy == "bounded" else PCTStrategy(len(scenario.threads), seed, depth, runs)
+    result = search(scenario, chosen, mode, limits, count_all, on_progress)
+    untraced = scenario.untraced()
+    if result.failure is None:
+        return ExploreReport(result, None, untraced)
+    failing = result.failure
     before = len(decisions_of(failing))
     spent = 0
     if do_shrink:
-        failing, spent = shrink(scenario, failing, mode)
+        failing, spent = shrink(scenario, failing, mode, limits.run)
         if not failing.gil_reachable and mode is not SwitchMode.GIL:
-            failing, more = slide_to_gil(scenario, failing, mode)
+            failing, more = slide_to_gil(scenario, failing, mode, limits=limits.run)
             spent += more
-    recorded = run_once(scenario, LaxReplayChooser(decisions_of(failing)), mode, record=True)
+    recorded = run_once(scenario, LaxReplayChooser(decisions_of(failing)), mode, record=True, limits=limits.run)
     assert recorded.outcome == failing.outcome, "a shrunk schedule must replay to the same outcome"
     gil_search = None
-    if not recorded.gil_reachable and mode is not SwitchMode.GIL:
-        gil_search = bounded_search(scenario, bound, SwitchMode.GIL)
-    finding = Finding(
-        recorded, from_execution(scenario, mode, recorded), before, len(decisions_of(recorded)), spent,
-        recorded.gil_reachable, gil_search,
-    )
-    return ExploreReport(search, finding)
+    reachable = recorded.gil_reachable
+    if not reachable and mode is not SwitchMode.GIL:
+        gil_search = bounded_search(scenario, bound, SwitchMode.GIL, limits=limits)
+        reachable = gil_search.failure is not None and gil_search.failure.outcome == recorded.outcome
+    finding = Finding(recorded, from_execution(scenario, mode, recorded), before, len(decisions_of(recorded)),
+                      spent, reachable, gil_search)
+    return ExploreReport(result, finding, untraced)

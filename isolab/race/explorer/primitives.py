@@ -4,136 +4,217 @@ Inside an explored execution, `threading.Lock()` & co. called from setup or a ma
 return a model whose blocking is known to the scheduler: a thread waiting for a lock is not
 runnable, and when no thread is runnable the execution is a deadlock. Anyone else (the
 explorer's own thread, pytest) still gets the real primitive. `queue.Queue` is covered because
-it builds its mutex and conditions from `threading.Lock` and `threading.Condition`.
+it builds its mutex and conditions from `threading.Lock` and `threading.Condition`. Primitives
+the target made before exploring (a module-level or class-level `_lock = threading.Lock()`, a
+`from threading import Lock`) are swapped for fresh models for each execution and put back after.
 
-Not modelled: primitives created before the patch, `_thread` locks, real I/O, timeouts in
-`queue.Queue.get(timeout=...)` (it measures real time). Timeouts elsewhere use virtual time: a
-timed wait ends only when no thread can run otherwise.
+Every operation goes through `Primitive.operation`: one sync point before, `after_sync` after,
+on every path. `c_level` says whether the real primitive is C code (Lock, RLock: entering it is
+no GIL switch point) or Python code in threading.py (Condition, Event, Semaphore: it is).
+
+Not modelled: `_thread` locks, `queue.SimpleQueue`, real I/O, timeouts in
+`queue.Queue.get(timeout=...)` (it measures real time), threads started inside a body (the
+execution ends as unsupported). Timeouts elsewhere use virtual time: a timed wait ends only when
+no thread can run otherwise.
 """
 
 from __future__ import annotations
 
-import itertools
+import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, SupportsIndex
 
-if TYPE_CHECKING:
-    from isolab.race.explorer.runtime import Runtime, Task
+from isolab.race.explorer.types import Abort, Scheduler
 
-_ids = itertools.count(1)
+Guard = tuple[Callable[[], bool], Callable[[], str]]
 
 
-class ModelLock:
-    def __init__(self, rt: Runtime, kind: str = "Lock") -> None:
+def operation(op: str, yielding: bool = False) -> Callable[[Callable[..., Any]], Any]:
+    """Wraps a primitive method: a sync point named `<primitive>.<op>` before, after_sync after."""
+
+    def wrap(method: Callable[..., Any]) -> Any:
+        @functools.wraps(method)
+        def run(self: Primitive, *args: Any, **kwargs: Any) -> Any:
+            rt = self.rt
+            if rt.aborted:
+                raise Abort
+            task = rt.sync_point(f"{self.name}.{op}", self.c_level, yielding, self.guard(op))
+            try:
+                return method(self, task, *args, **kwargs)
+            finally:
+                rt.after_sync(task, self.c_level)
+
+        return run
+
+    return wrap
+
+
+class Primitive:
+    """The blocking base: a name stable across executions, and the runtime that schedules it."""
+
+    kind = "Primitive"
+    c_level = False
+
+    def __init__(self, rt: Scheduler) -> None:
         self.rt = rt
-        self.name = f"{kind}#{next(_ids)}"
-        self.owner: Task | None = None
+        self.fixed_name: str | None = None  # set when the holder is known at creation (a module global)
+        rt.created(self)
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        task = self.rt.sync_point(f"{self.name}.acquire")
+    @property
+    def name(self) -> str:
+        return self.fixed_name or self.rt.name_of(self, self.kind)
+
+    def guard(self, op: str) -> Guard | None:
+        """For an operation that would only block: (when it can proceed, what it waits for). A
+        thread parked before such an operation is not runnable until then: running it would
+        change nothing but its own state, from running to blocked."""
+        return None
+
+    def wait_until(self, task: Any, ready: Callable[[], bool], why: Callable[[], str], timed: bool) -> bool:
+        return self.rt.block(task, ready, why, timed)
+
+
+class ModelLock(Primitive):
+    kind = "Lock"
+    c_level = True
+
+    def __init__(self, rt: Scheduler) -> None:
+        super().__init__(rt)
+        self.owner: Any = None
+
+    def guard(self, op: str) -> Guard | None:
+        if op != "acquire":
+            return None
+        return (lambda: self.owner is None), (lambda: f"waits for {self.name} held by {self.owner.name}")
+
+    @operation("acquire")
+    def acquire(self, task: Any, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._take(task, blocking, timeout)
+
+    def _take(self, task: Any, blocking: bool, timeout: float | None) -> bool:
         if self.owner is not None:
             if not blocking:
-                self.rt.after_sync(task)
                 return False
-            holder = self.owner.name
-            if not self.rt.block(task, lambda: self.owner is None, f"waits for {self.name} held by {holder}", timeout >= 0):
+            holder = self.owner
+            if not self.wait_until(task, lambda: self.owner is None,
+                                   lambda: f"waits for {self.name} held by {holder.name}",
+                                   timeout is not None and timeout >= 0):
                 return False
         self.owner = task
-        self.rt.after_sync(task)
         return True
 
-    def release(self) -> None:
+    @operation("release")
+    def release(self, task: Any) -> None:
         if self.owner is None:
             raise RuntimeError("release unlocked lock")
-        if not self.rt.aborted:
-            self.rt.sync_point(f"{self.name}.release")
         self.owner = None
 
     def locked(self) -> bool:
         return self.owner is not None
 
-    __enter__ = acquire
+    def __enter__(self) -> bool:
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    # Condition support: a plain lock is released and re-taken whole.
+    # Condition support: the lock is released and re-taken whole.
     def _release_save(self) -> Any:
         self.owner = None
         return None
 
     def _acquire_restore(self, saved: Any) -> None:
-        self.acquire()
+        task = self.rt.me()
+        self._take(task, True, None)
 
     def _is_owned(self) -> bool:
         return self.owner is not None and self.owner is self.rt.me()
 
 
 class ModelRLock(ModelLock):
-    def __init__(self, rt: Runtime) -> None:
-        super().__init__(rt, "RLock")
+    kind = "RLock"
+
+    def __init__(self, rt: Scheduler) -> None:
+        super().__init__(rt)
         self.count = 0
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+    def guard(self, op: str) -> Guard | None:
+        if op != "acquire":
+            return None
         me = self.rt.me()
-        if self.owner is me and me is not None:
+        return (lambda: self.owner is None or self.owner is me), (lambda: f"waits for {self.name} held by {self.owner.name}")
+
+    @operation("acquire")
+    def acquire(self, task: Any, blocking: bool = True, timeout: float = -1) -> bool:
+        if self.owner is task:
             self.count += 1
             return True
-        if not super().acquire(blocking, timeout):
+        if not self._take(task, blocking, timeout):
             return False
         self.count = 1
         return True
 
-    __enter__ = acquire
-
-    def release(self) -> None:
-        if self.owner is not self.rt.me():
+    @operation("release")
+    def release(self, task: Any) -> None:
+        if self.owner is not task:
             raise RuntimeError("cannot release un-acquired lock")
         self.count -= 1
         if self.count == 0:
-            super().release()
+            self.owner = None
 
     def _release_save(self) -> Any:
         saved, self.count, self.owner = self.count, 0, None
         return saved
 
     def _acquire_restore(self, saved: Any) -> None:
-        ModelLock.acquire(self)
+        self._take(self.rt.me(), True, None)
         self.count = saved
 
 
-class ModelCondition:
-    def __init__(self, rt: Runtime, lock: ModelLock | None = None) -> None:
-        self.rt = rt
+class ModelCondition(Primitive):
+    kind = "Condition"
+
+    def __init__(self, rt: Scheduler, lock: ModelLock | None = None) -> None:
+        super().__init__(rt)
         self.lock = lock if lock is not None else ModelRLock(rt)
-        self.name = f"Condition#{next(_ids)}"
         self.waiters: list[list[bool]] = []
-        self.acquire, self.release = self.lock.acquire, self.lock.release
+
+    def guard(self, op: str) -> Guard | None:
+        return self.lock.guard(op) if op == "acquire" else None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        # Condition.__enter__ is Python code: entering it is a switch point
+        self.rt.sync_point(f"{self.name}.acquire", False, False, self.lock.guard("acquire"))
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
 
     def __enter__(self) -> bool:
-        return self.lock.acquire()
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.lock.release()
 
-    def wait(self, timeout: float | None = None) -> bool:
+    @operation("wait")
+    def wait(self, task: Any, timeout: float | None = None) -> bool:
         if not self.lock._is_owned():
             raise RuntimeError("cannot wait on un-acquired lock")
-        task = self.rt.sync_point(f"{self.name}.wait")
         waiter = [False]
         self.waiters.append(waiter)
         saved = self.lock._release_save()
         try:
-            notified = self.rt.block(task, lambda: waiter[0], f"waits on {self.name} (not notified)", timeout is not None)
+            return self.wait_until(task, lambda: waiter[0], lambda: f"waits on {self.name} (not notified)",
+                                   timeout is not None)
         finally:
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
             if not self.rt.aborted:
                 self.lock._acquire_restore(saved)
-        return notified
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
         result = predicate()
@@ -143,14 +224,13 @@ class ModelCondition:
             result = predicate()
         return result
 
-    def notify(self, n: int = 1) -> None:
+    @operation("notify")
+    def notify(self, task: Any, n: int = 1) -> None:
         if not self.lock._is_owned():
             raise RuntimeError("cannot notify on un-acquired lock")
-        task = self.rt.sync_point(f"{self.name}.notify")
         for waiter in self.waiters[:n]:
             waiter[0] = True
         del self.waiters[:n]
-        self.rt.after_sync(task)
 
     def notify_all(self) -> None:
         self.notify(len(self.waiters))
@@ -158,109 +238,175 @@ class ModelCondition:
     notifyAll = notify_all
 
 
-class ModelEvent:
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        self.name = f"Event#{next(_ids)}"
+class ModelEvent(Primitive):
+    kind = "Event"
+
+    def __init__(self, rt: Scheduler) -> None:
+        super().__init__(rt)
         self.flag = False
+
+    def guard(self, op: str) -> Guard | None:
+        return ((lambda: self.flag), (lambda: f"waits for {self.name}")) if op == "wait" else None
 
     def is_set(self) -> bool:
         return self.flag
 
-    def set(self) -> None:
-        task = self.rt.sync_point(f"{self.name}.set")
+    @operation("set")
+    def set(self, task: Any) -> None:
         self.flag = True
-        self.rt.after_sync(task)
 
-    def clear(self) -> None:
-        task = self.rt.sync_point(f"{self.name}.clear")
+    @operation("clear")
+    def clear(self, task: Any) -> None:
         self.flag = False
-        self.rt.after_sync(task)
 
-    def wait(self, timeout: float | None = None) -> bool:
-        task = self.rt.sync_point(f"{self.name}.wait")
-        self.rt.block(task, lambda: self.flag, f"waits for {self.name}", timeout is not None)
+    @operation("wait")
+    def wait(self, task: Any, timeout: float | None = None) -> bool:
+        self.wait_until(task, lambda: self.flag, lambda: f"waits for {self.name}", timeout is not None)
         return self.flag
 
 
-class ModelSemaphore:
-    def __init__(self, rt: Runtime, value: int = 1, bound: int | None = None) -> None:
+class ModelSemaphore(Primitive):
+    kind = "Semaphore"
+
+    def __init__(self, rt: Scheduler, value: int = 1, bound: int | None = None) -> None:
         if value < 0:
             raise ValueError("semaphore initial value must be >= 0")
-        self.rt = rt
-        self.name = f"{'Bounded' if bound is not None else ''}Semaphore#{next(_ids)}"
+        self.kind = "BoundedSemaphore" if bound is not None else "Semaphore"
+        super().__init__(rt)
         self.value = value
         self.bound = bound
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        task = self.rt.sync_point(f"{self.name}.acquire")
+    def guard(self, op: str) -> Guard | None:
+        return ((lambda: self.value > 0), (lambda: f"waits for {self.name} (value 0)")) if op == "acquire" else None
+
+    @operation("acquire")
+    def acquire(self, task: Any, blocking: bool = True, timeout: float | None = None) -> bool:
         if self.value == 0:
             if not blocking:
                 return False
-            if not self.rt.block(task, lambda: self.value > 0, f"waits for {self.name} (value 0)", timeout is not None):
+            if not self.wait_until(task, lambda: self.value > 0, lambda: f"waits for {self.name} (value 0)",
+                                   timeout is not None):
                 return False
         self.value -= 1
-        self.rt.after_sync(task)
         return True
 
-    __enter__ = acquire
-
-    def release(self, n: int = 1) -> None:
-        task = self.rt.sync_point(f"{self.name}.release")
+    @operation("release")
+    def release(self, task: Any, n: int = 1) -> None:
         if self.bound is not None and self.value + n > self.bound:
             raise ValueError("Semaphore released too many times")
         self.value += n
-        self.rt.after_sync(task)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
 
+REAL: dict[str, Any] = {
+    "Lock": threading.Lock,
+    "RLock": threading.RLock,
+    "Condition": threading.Condition,
+    "Event": threading.Event,
+    "Semaphore": threading.Semaphore,
+    "BoundedSemaphore": threading.BoundedSemaphore,
+}
+_REAL_LOCK = type(threading.Lock())
+_REAL_RLOCK = type(threading.RLock())
+_REAL_START = threading.Thread.start
+
+
+def _model_for(rt: Scheduler, obj: object) -> Primitive | None:
+    """A fresh model standing in for a real primitive the target made before exploring."""
+    if isinstance(obj, _REAL_RLOCK):
+        return ModelRLock(rt)
+    if isinstance(obj, _REAL_LOCK):
+        return ModelLock(rt)
+    if isinstance(obj, REAL["Condition"]):
+        return ModelCondition(rt)
+    if isinstance(obj, REAL["Semaphore"]):
+        bound = getattr(obj, "_initial_value", None) if isinstance(obj, REAL["BoundedSemaphore"]) else None
+        return ModelSemaphore(rt, getattr(obj, "_value", 1), bound)
+    if isinstance(obj, REAL["Event"]):
+        return ModelEvent(rt)
+    return None
+
+
+def _swaps(rt: Scheduler, module_names: tuple[str, ...], fakes: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """(holder, attribute, replacement) for each real primitive or factory a traced module holds
+    in its globals or in the class attributes of classes it defines."""
+    out: list[tuple[Any, str, Any]] = []
+    factories = {id(f): name for name, f in REAL.items()}
+    for module_name in module_names:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in factories:
+                out.append((module, attr, fakes[factories[id(value)]]))
+            elif (model := _model_for(rt, value)) is not None:
+                model.fixed_name = f"{module_name.rsplit('.', 1)[-1]}.{attr}"
+                out.append((module, attr, model))
+            elif isinstance(value, type) and value.__module__ == module_name:
+                for cattr, cvalue in list(vars(value).items()):
+                    if (model := _model_for(rt, cvalue)) is not None:
+                        model.fixed_name = f"{value.__name__}.{cattr}"
+                        out.append((value, cattr, model))
+    return out
+
+
 @contextmanager
-def modelled(rt: Runtime) -> Iterator[None]:
-    """Swaps threading's factories (and time.sleep) for ones that model inside `rt`."""
-    real: dict[str, Any] = {
-        "Lock": threading.Lock,
-        "RLock": threading.RLock,
-        "Condition": threading.Condition,
-        "Event": threading.Event,
-        "Semaphore": threading.Semaphore,
-        "BoundedSemaphore": threading.BoundedSemaphore,
-    }
+def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None]:
+    """Swaps threading's factories (and time.sleep, Thread.start) for ones that model inside `rt`,
+    and the real primitives held by `module_names` for fresh models."""
     real_sleep = time.sleep
 
     def Lock() -> Any:
-        return ModelLock(rt) if rt.managed() else real["Lock"]()
+        return ModelLock(rt) if rt.managed() else REAL["Lock"]()
 
     def RLock() -> Any:
-        return ModelRLock(rt) if rt.managed() else real["RLock"]()
+        return ModelRLock(rt) if rt.managed() else REAL["RLock"]()
 
     def Condition(lock: Any = None) -> Any:
-        return ModelCondition(rt, lock) if rt.managed() else real["Condition"](lock)
+        return ModelCondition(rt, lock) if rt.managed() else REAL["Condition"](lock)
 
     def Event() -> Any:
-        return ModelEvent(rt) if rt.managed() else real["Event"]()
+        return ModelEvent(rt) if rt.managed() else REAL["Event"]()
 
     def Semaphore(value: int = 1) -> Any:
-        return ModelSemaphore(rt, value) if rt.managed() else real["Semaphore"](value)
+        return ModelSemaphore(rt, value) if rt.managed() else REAL["Semaphore"](value)
 
     def BoundedSemaphore(value: int = 1) -> Any:
-        return ModelSemaphore(rt, value, bound=value) if rt.managed() else real["BoundedSemaphore"](value)
+        return ModelSemaphore(rt, value, bound=value) if rt.managed() else REAL["BoundedSemaphore"](value)
 
     def sleep(seconds: float | SupportsIndex) -> None:
         if rt.me() is None:
             return real_sleep(seconds)
-        task = rt.sync_point("sleep", yielding=True)  # virtual time: a sleep only lets others run
+        task = rt.sync_point("sleep", False, yielding=True)  # virtual time: a sleep only lets others run
         rt.after_sync(task)
+
+    def start(thread: threading.Thread) -> None:
+        if rt.me() is not None:
+            rt.unsupported(f"starts a thread ({thread.name}); threads started inside a body (Thread.start, "
+                           "an executor's submit) are not modelled: list them in Scenario.threads")
+        _REAL_START(thread)
 
     fakes = {"Lock": Lock, "RLock": RLock, "Condition": Condition, "Event": Event,
              "Semaphore": Semaphore, "BoundedSemaphore": BoundedSemaphore}
+    swaps = _swaps(rt, module_names, fakes)
+    saved = [(holder, attr, vars(holder)[attr]) for holder, attr, _ in swaps]
     for name, fake in fakes.items():
         setattr(threading, name, fake)
     time.sleep = sleep
+    threading.Thread.start = start  # type: ignore[method-assign, assignment]
+    for holder, attr, replacement in swaps:
+        setattr(holder, attr, replacement)
     try:
         yield
     finally:
-        for name, original in real.items():
+        for holder, attr, original in saved:
+            setattr(holder, attr, original)
+        for name, original in REAL.items():
             setattr(threading, name, original)
         time.sleep = real_sleep
+        threading.Thread.start = _REAL_START  # type: ignore[method-assign]

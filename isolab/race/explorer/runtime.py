@@ -1,26 +1,15 @@
 """Owns one controlled execution of a Scenario: real OS threads that run one at a time, the
-baton that passes between them, and the tracer that turns bytecode into choice points.
+baton that passes between them, the watchdog that names a thread stuck outside the model, and
+the names of modelled objects (by the attribute that holds them, stable across executions).
 
-It does not decide who runs next (a `Chooser` does) and does not search (strategies.py does).
-
-How a choice point arises. A *switch point* is where the switch model lets a thread lose the CPU:
-    gil     function entry, after a loop back-edge (JUMP_BACKWARD), after a call, at a blocking
-            call: exactly where CPython 3.11 checks its eval breaker or releases the GIL
-    line    the start of every source line
-    opcode  before every bytecode (a stand-in for free-threaded CPython)
-A switch only matters before an operation another thread could observe: a *visible* opcode
-(attribute, global, subscript, closure-cell access, calls, comparisons...) or a modelled
-lock/condition/event operation. Steps that touch only locals commute with everything, so a
-preemption at a switch point is equivalent to one at the next visible operation. Hence:
-    choice point = a visible operation reached after at least one switch point since the last.
-The seed's `for _ in range(1000): pass` touches only locals and costs no choice points.
+It does not decide who runs next (a `Chooser` does), does not search (search.py does) and turns
+bytecode into choice points through the Tracer mixin (tracer.py).
 """
 
 from __future__ import annotations
 
 import _thread
-import dis
-import linecache
+import inspect
 import os
 import sys
 import threading
@@ -28,235 +17,208 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 
+from isolab.errors import InvalidRequestError
+from isolab.race.explorer.primitives import Primitive, modelled
 from isolab.race.explorer.scenario import Scenario
-
-
-class SwitchMode(StrEnum):
-    GIL = "gil"
-    LINE = "line"
-    OPCODE = "opcode"
-
-
-# Opcodes that read or write only the frame's own locals or stack. FOR_ITER is here so that a
-# loop over a local iterator is free; iterating a shared container through a local alias is the
-# documented blind spot (the load of the container itself is visible).
-LOCAL_OPCODES = frozenset(
-    {
-        "NOP", "RESUME", "CACHE", "EXTENDED_ARG", "LOAD_FAST", "STORE_FAST", "DELETE_FAST",
-        "LOAD_CONST", "POP_TOP", "COPY", "SWAP", "PUSH_NULL", "PRECALL", "KW_NAMES",
-        "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "POP_JUMP_FORWARD_IF_FALSE",
-        "POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_TRUE",
-        "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
-        "POP_JUMP_BACKWARD_IF_NOT_NONE", "JUMP_IF_FALSE_OR_POP", "JUMP_IF_TRUE_OR_POP",
-        "FOR_ITER", "GET_ITER", "RETURN_VALUE", "UNARY_NOT", "MAKE_CELL", "COPY_FREE_VARS",
-        "POP_EXCEPT", "PUSH_EXC_INFO", "RERAISE", "CHECK_EXC_MATCH",
-    }
+from isolab.race.explorer.tracer import Tracer
+from isolab.race.explorer.types import (
+    Abort,
+    ChoicePoint,
+    Chooser,
+    Execution,
+    Outcome,
+    PendingPoint,
+    SwitchMode,
+    short_path,
 )
-# After these, CPython 3.11 checks the eval breaker before the next instruction.
-GIL_CHECKPOINT_OPCODES = frozenset({"JUMP_BACKWARD", "CALL", "CALL_FUNCTION_EX"})
-
-
-class Abort(BaseException):
-    """Unwinds a managed thread when its execution ends early (deadlock, limit, failure)."""
 
 
 @dataclass(frozen=True)
-class PendingPoint:
-    """What a Chooser sees: the running thread wants to go on; who runs next?"""
+class RunLimits:
+    """Per-execution limits; reaching one makes the execution inconclusive, never a verdict."""
 
-    index: int  # how many choice points came before this one in this execution
-    current: int | None  # the thread that stands here (None at the start)
-    enabled: tuple[int, ...]  # threads that may run now, ascending
-    location: str  # "isolab/race/checkers.py:38", "<start>" or "<finished>"
-    occurrence: int  # the current thread's arrivals at this location so far, from 1
-    what: str  # the operation about to run: "STORE_ATTR input_buffer", "Lock#1.acquire"
-    gil_ok: bool  # CPython 3.11 with the GIL could switch here
-    current_enabled: bool  # continuing is possible; choosing another thread is a preemption
+    max_points: int = 10_000  # choice points (a spin-wait reaches this)
+    max_ops: int = 2_000_000  # traced bytecodes (a loop over locals that never ends reaches this)
+    stall_seconds: float = 3.0  # the running thread executes no traced bytecode for this long
 
-    @property
-    def default(self) -> int:
-        """No preemption: keep running, else the lowest-numbered enabled thread."""
-        return self.current if self.current_enabled and self.current is not None else self.enabled[0]
+    def __post_init__(self) -> None:
+        if self.max_points < 1 or self.max_ops < 1 or self.stall_seconds <= 0:
+            raise ValueError("run limits must be positive")
 
 
-@dataclass(frozen=True)
-class ChoicePoint:
-    point: PendingPoint
-    chosen: int
-
-    @property
-    def preemptive(self) -> bool:
-        return self.point.current_enabled and self.chosen != self.point.current
-
-
-class Chooser(Protocol):
-    def choose(self, point: PendingPoint) -> int: ...
-
-
-@dataclass(frozen=True)
-class Step:
-    """One narrative line: a thread at a source line, and the shared value as the line starts."""
-
-    thread: int
-    location: str
-    source: str
-    shared: str
-    repeats: int = 1  # a loop body that left the shared value alone is folded into one step
-    switch: str = ""  # "preempted", "blocked", "finished" when the baton moved after this step
-
-
-@dataclass
-class Execution:
-    points: list[ChoicePoint]
-    outcome: str  # "ok" | "failed" | "deadlock" | "step_limit" | "diverged" | "hung"
-    message: str | None
-    results: tuple[Any, ...]
-    steps: list[Step] = field(default_factory=list)  # only when recorded
-
-    @property
-    def failed(self) -> bool:
-        return self.outcome in ("failed", "deadlock")
-
-    @property
-    def preemptions(self) -> int:
-        return sum(1 for c in self.points if c.preemptive)
-
-    @property
-    def gil_reachable(self) -> bool:
-        return all(c.point.gil_ok for c in self.points if c.preemptive)
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def short_path(filename: str) -> str:
-    absolute = os.path.abspath(filename)
-    return os.path.relpath(absolute, ROOT) if absolute.startswith(ROOT + os.sep) else absolute
-
-
-@dataclass
+@dataclass(eq=False)
 class Task:
     index: int
     name: str
     body: Callable[[Any], Any]
     baton: Any = field(default_factory=_thread.allocate_lock)  # held = may not run
+    ident: int | None = None
     finished: bool = False
     waiting: Callable[[], bool] | None = None  # blocked until this returns True
-    waiting_for: str = ""
+    waiting_for: Callable[[], str] | None = None
+    guard: tuple[Callable[[], bool], Callable[[], str]] | None = None  # parked before an op that would block
     timed: bool = False  # the block has a timeout: virtual time may end it
     timed_out: bool = False
     result: Any = None
     error: str | None = None
+    last_exception: str | None = None
     # tracer state
-    permitted: bool = True  # a switch point passed since the last choice point
-    gil_permitted: bool = True
-    gil_pending: bool = False  # the last opcode was a GIL checkpoint; the next one may switch
+    permitted: bool = True  # a switch point passed since the last choice point (in this mode)
+    gil_permitted: bool = True  # ... one where CPython 3.11 with the GIL can switch
+    pending_frame: Any = None  # the frame whose last opcode checks the eval breaker after it
+    jump_frame: Any = None  # the frame whose last opcode was a conditional backward jump
+    jump_offset: int = 0
     occurrences: Counter = field(default_factory=Counter)
+    arrivals: int = 0
 
     def enabled(self) -> bool:
-        return not self.finished and (self.waiting is None or self.waiting())
+        if self.finished or (self.waiting is not None and not self.waiting()):
+            return False
+        return self.guard is None or self.guard[0]()
+
+    def blocked_on(self) -> str:
+        if self.waiting_for is not None:
+            return self.waiting_for()
+        if self.guard is not None:
+            return self.guard[1]()
+        return "is runnable"
 
 
-class Runtime:
+class Runtime(Tracer):
     """Runs one execution. Exactly one managed thread holds the baton at any time."""
 
-    def __init__(
-        self,
-        scenario: Scenario,
-        chooser: Chooser,
-        mode: SwitchMode = SwitchMode.OPCODE,
-        record: bool = False,
-        max_points: int = 20_000,
-        wall_timeout: float = 20.0,
-    ) -> None:
+    def __init__(self, scenario: Scenario, chooser: Chooser, mode: SwitchMode = SwitchMode.OPCODE,
+                 record: bool = False, limits: RunLimits | None = None) -> None:
         self.scenario = scenario
         self.chooser = chooser
         self.mode = mode
         self.record = record
-        self.max_points = max_points
-        self.wall_timeout = wall_timeout
+        self.limits = limits or RunLimits()
+        self.max_ops = self.limits.max_ops
+        self.num_ops = 0
         self.targets = scenario.target_files()
         self.tasks: list[Task] = []
         self.by_ident: dict[int, Task] = {}
         self.points: list[ChoicePoint] = []
         self.in_setup = False
         self.aborted = False
-        self.outcome: str | None = None
+        self.outcome: Outcome | None = None
         self.message: str | None = None
         self.done = _thread.allocate_lock()
         self.state: Any = None
-        self.steps: list[Step] = []
-        self._seen_in_run: dict[int, dict[str, int]] = {}  # thread -> location -> step index
-        self._ops_cache: dict[Any, dict[int, tuple[str, str, bool]]] = {}
-        self.num_arrivals = 0
+        self.steps: list = []
+        self.holder: Task | None = None
+        self._names: dict[int, str] = {}
+        self._ordinals: Counter = Counter()
+        self._init_tracer()
 
-    # --- who is calling --------------------------------------------------------------------
+    # --- who is calling ----------------------------------------------------------------------
     def me(self) -> Task | None:
         return self.by_ident.get(_thread.get_ident())
 
     def managed(self) -> bool:
         return self.in_setup or _thread.get_ident() in self.by_ident
 
-    # --- the execution ---------------------------------------------------------------------
+    # --- the execution -----------------------------------------------------------------------
     def run(self) -> Execution:
-        from isolab.race.explorer.primitives import modelled
-
-        with modelled(self):
+        with modelled(self, self.scenario.traced_module_names()):
             self.in_setup = True
-            self.controller = _thread.get_ident()
             try:
                 self.state = self.scenario.setup()
+            except Exception as exc:
+                raise InvalidRequestError(f"{self.scenario.name}: setup raised {type(exc).__name__}: {exc}") from None
             finally:
                 self.in_setup = False
-            names = self.scenario.names
-            self.tasks = [Task(i, names[i], body) for i, body in enumerate(self.scenario.threads)]
-            threads = []
-            for task in self.tasks:
-                task.baton.acquire()
-                t = threading.Thread(target=self._thread_main, args=(task,), name=f"race-{task.name}", daemon=True)
-                threads.append(t)
-            self.done.acquire()
-            for task, t in zip(self.tasks, threads, strict=True):
-                t.start()  # returns once the thread runs; it then waits for its baton
-                assert t.ident is not None
-                self.by_ident[t.ident] = task
-            first = self._decide(None, "<start>", 1, "start", True, forced=False)
-            self.tasks[first].baton.release()
-            finished = self.done.acquire(True, self.wall_timeout)
-            if not finished:
-                self._end("hung", f"no progress within {self.wall_timeout}s: a thread blocked outside the model")
-            if self.outcome != "ok":
-                self.aborted = True
-                for task in self.tasks:
-                    if not task.finished and task.baton.locked():
-                        try:
-                            task.baton.release()
-                        except RuntimeError:
-                            pass
-            for t in threads:
-                t.join(5.0)
+            self.tasks = [Task(i, name, body) for i, (name, body) in enumerate(zip(self.scenario.names,
+                                                                                  self.scenario.threads, strict=True))]
+            coroutine = next((t for t in self.tasks if inspect.iscoroutinefunction(inspect.unwrap(t.body))), None)
+            if coroutine is not None:
+                self._end(Outcome.UNSUPPORTED, f"{coroutine.name}'s body is an async def: the explorer runs threads, "
+                          "not asyncio tasks (call asyncio.run inside a plain function to explore it as one thread)")
+            else:
+                self._run_threads()
         results = tuple(t.result for t in self.tasks)
-        outcome, message = self.outcome or "ok", self.message
-        if outcome == "ok":
-            errors = [f"{t.name} raised {t.error}" for t in self.tasks if t.error]
+        outcome, message = self.outcome or Outcome.OK, self.message
+        if outcome is Outcome.OK:
+            outcome, message = self._verdict(results)
+        return Execution(self.points, outcome, message, results, self.steps, final=self._shared())
+
+    def _run_threads(self) -> None:
+        threads = []
+        for task in self.tasks:
+            task.baton.acquire()
+            threads.append(threading.Thread(target=self._thread_main, args=(task,), name=f"race-{task.name}",
+                                            daemon=True))
+        self.done.acquire()
+        for task, t in zip(self.tasks, threads, strict=True):
+            _real_start(t)  # returns once the thread runs; it then waits for its baton
+            assert t.ident is not None
+            task.ident = t.ident
+            self.by_ident[t.ident] = task
+        first = self._decide(None, "<start>", 1, "start", True, forced=False)
+        self.holder = self.tasks[first]
+        self.tasks[first].baton.release()
+        self._watch()
+        if self.outcome is not Outcome.OK:
+            self.aborted = True
+            for task in self.tasks:
+                if not task.finished and task.baton.locked():
+                    try:
+                        task.baton.release()
+                    except RuntimeError:
+                        pass
+        for t in threads:
+            t.join(1.0)
+
+    def _watch(self) -> None:
+        """Waits for the end; a running thread that executes no traced bytecode for
+        stall_seconds is blocked (or busy) outside the model, and is named."""
+        slice_s = min(0.25, self.limits.stall_seconds)
+        last, still = -1, 0.0
+        while not self.done.acquire(True, slice_s):
+            progress = self.num_ops + len(self.points)
+            if progress != last:
+                last, still = progress, 0.0
+                continue
+            still += slice_s
+            if still >= self.limits.stall_seconds:
+                holder = self.holder
+                name = holder.name if holder is not None else "a thread"
+                where = _where(holder.ident if holder is not None else None, self.targets)
+                self._end(Outcome.BLOCKED_OUTSIDE,
+                          f"{name} blocked outside the model {where}: nothing ran for {self.limits.stall_seconds:g}s "
+                          "(a lock made outside the explorer, I/O, a C call that waits, or untraced work)")
+                return
+
+    def _verdict(self, results: tuple[Any, ...]) -> tuple[Outcome, str | None]:
+        for task, result in zip(self.tasks, results, strict=True):
+            if inspect.iscoroutine(result) or inspect.isawaitable(result):
+                if hasattr(result, "close"):
+                    result.close()
+                return Outcome.UNSUPPORTED, (f"{task.name}'s body returned an awaitable that nobody awaits: "
+                                             "the explorer runs threads, not asyncio tasks")
+        errors = [f"{t.name} raised {t.error}" for t in self.tasks if t.error]
+        try:
             verdict = "; ".join(errors) if errors else self.scenario.check(self.state, results)
-            if verdict:
-                outcome, message = "failed", verdict
-        return Execution(self.points, outcome, message, results, self.steps)
+        except Exception as exc:
+            raise InvalidRequestError(f"{self.scenario.name}: check raised {type(exc).__name__}: {exc}") from None
+        return (Outcome.FAILED, verdict) if verdict else (Outcome.OK, None)
 
     def _thread_main(self, task: Task) -> None:
         task.baton.acquire()  # wait for the first turn
         try:
             if self.aborted:
                 return
-            sys.settrace(self._trace_call)
+            trace_call, profile = self.hooks(task)
+            sys.settrace(trace_call)
+            sys.setprofile(profile)
             try:
                 task.result = task.body(self.state)
             finally:
                 sys.settrace(None)
+                sys.setprofile(None)
         except Abort:
             return
         except Exception as exc:  # the body's own failure is a finding, not a crash
@@ -266,22 +228,30 @@ class Runtime:
         if self.aborted:
             return
         task.finished = True
-        self._note_switch(task, "finished")
+        self._note_switch(task, f"raised {task.error}; thread done" if task.error else "returns; thread done")
         if all(t.finished for t in self.tasks):
-            self._end("ok", None)
+            self._end(Outcome.OK, None)
             return
         try:
             nxt = self._decide(task, "<finished>", 1, "finished", True, forced=True)
         except Abort:
             return
+        self.holder = self.tasks[nxt]
         self.tasks[nxt].baton.release()
 
-    def _end(self, outcome: str, message: str | None) -> None:
+    def _end(self, outcome: Outcome, message: str | None) -> None:
         if self.outcome is None:
             self.outcome, self.message = outcome, message
             self.done.release()
 
-    # --- scheduling ------------------------------------------------------------------------
+    def unsupported(self, why: str) -> None:
+        task = self.me()
+        frame = self._user_frame()
+        where = f" at {short_path(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else ""
+        self._end(Outcome.UNSUPPORTED, f"{task.name if task else 'setup'}{where} {why}")
+        raise Abort
+
+    # --- scheduling --------------------------------------------------------------------------
     def _decide(self, task: Task | None, location: str, occurrence: int, what: str, gil_ok: bool, forced: bool) -> int:
         """Picks who runs next; raises Abort (after ending the execution) when nobody can."""
         enabled = [t.index for t in self.tasks if t.enabled()]
@@ -290,23 +260,27 @@ class Runtime:
             enabled = [t.index for t in self.tasks if not t.finished and t.timed]
             timed_out = True
         if not enabled:
-            blocked = "; ".join(f"{t.name} {t.waiting_for}" for t in self.tasks if not t.finished)
-            self._end("deadlock", f"deadlock: {blocked}")
+            blocked = "; ".join(f"{t.name} {t.blocked_on()}" for t in self.tasks if not t.finished)
+            self._end(Outcome.DEADLOCK, f"deadlock: {blocked}")
             raise Abort
         current = task.index if task is not None else None
         current_enabled = (not forced) and current in enabled and not timed_out
         if len(enabled) == 1:
             chosen = enabled[0]
         else:
-            if len(self.points) >= self.max_points:
-                self._end("step_limit", f"more than {self.max_points} choice points")
+            if len(self.points) >= self.limits.max_points:
+                spinner = max(self.tasks, key=lambda t: t.arrivals)
+                self._end(Outcome.NO_PROGRESS,
+                          f"{spinner.name} makes no progress: {self.limits.max_points:,} choice points in one "
+                          f"execution, the last at {location} (a spin-wait needs a fair scheduler, which the "
+                          "explorer does not assume; wait on an Event or Condition instead)")
                 raise Abort
-            point = PendingPoint(
-                len(self.points), current, tuple(enabled), location, occurrence, what, gil_ok, current_enabled
-            )
+            point = PendingPoint(len(self.points), current, tuple(enabled), location, occurrence, what, gil_ok,
+                                 current_enabled)
             chosen = self.chooser.choose(point)
             if chosen not in enabled or self.outcome is not None:
-                self._end(self.outcome or "diverged", self.message or f"chooser picked a thread that cannot run: {chosen}")
+                self._end(self.outcome or Outcome.DIVERGED,
+                          self.message or f"chooser picked a thread that cannot run: {chosen}")
                 raise Abort
             self.points.append(ChoicePoint(point, chosen))
         if timed_out:
@@ -317,39 +291,55 @@ class Runtime:
         if chosen == task.index:
             return
         self._note_switch(task, why)
+        self.holder = self.tasks[chosen]
         self.tasks[chosen].baton.release()
         task.baton.acquire()
         if self.aborted:
             raise Abort
 
-    def choice(self, task: Task, frame: Any, what: str, gil_ok: bool, yielding: bool = False) -> None:
+    def choice(self, task: Task, frame: Any, what: str, gil_ok: bool, yielding: bool = False,
+               guard: Any = None) -> None:
         """The running task reached a choice point in `frame`."""
         location = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
         task.occurrences[location] += 1
-        self.num_arrivals += 1
-        chosen = self._decide(task, location, task.occurrences[location], what, gil_ok, forced=yielding)
-        preempted = chosen != task.index
-        self._switch_to(task, chosen, f"{'yielded' if yielding else 'preempted'} before {what}")
+        task.arrivals += 1
+        task.guard = guard
+        try:
+            chosen = self._decide(task, location, task.occurrences[location], what, gil_ok, forced=yielding)
+            preempted = chosen != task.index
+            self._switch_to(task, chosen, f"{'yielded' if yielding else 'preempted'} before {what}")
+        finally:
+            task.guard = None
         if preempted:
             task.permitted = task.gil_permitted = False
+            if self.record:
+                self._note_line(task, frame, resumed=True)
 
-    def sync_point(self, what: str, yielding: bool = False) -> Task:
-        """Called by a modelled primitive before its operation (a blocking call: a switch point
-        in every mode). Skipped when the thread has not moved since its last choice point."""
+    def sync_point(self, what: str, c_level: bool, yielding: bool = False, guard: Any = None) -> Task:
+        """Called by a modelled primitive before its operation. Entering a Python-level primitive
+        (c_level False) is a switch point; a C one (Lock) is not, unless it has to block."""
         task = self.me()
         assert task is not None
         if self.aborted:
             raise Abort
+        if not c_level:
+            task.permitted = task.gil_permitted = True
         if task.permitted or yielding:
+            gil_ok = task.gil_permitted or yielding
             task.permitted = task.gil_permitted = False
-            self.choice(task, self._user_frame(), what, True, yielding)
+            frame = self._user_frame()
+            self.choice(task, frame, what, gil_ok, yielding, guard)
         return task
 
-    def after_sync(self, task: Task) -> None:
-        task.permitted = task.gil_permitted = True
+    def after_sync(self, task: Task, c_level: bool = False) -> None:
+        """After a primitive's operation. Leaving Python-level primitive code (Condition, Event)
+        passes switch points; leaving a C lock's acquire or release does not."""
+        if not c_level:
+            task.permitted = task.gil_permitted = True
 
-    def block(self, task: Task, ready: Callable[[], bool], waiting_for: str, timed: bool = False) -> bool:
-        """Parks `task` until ready() holds; False if virtual time ran out first (timed only)."""
+    def block(self, task: Task, ready: Callable[[], bool], waiting_for: Callable[[], str], timed: bool = False) -> bool:
+        """Parks `task` until ready() holds; False if virtual time ran out first (timed only).
+        Blocking releases the GIL: the thread that runs next is no preemption."""
         if ready():
             return True
         task.waiting, task.waiting_for, task.timed, task.timed_out = ready, waiting_for, timed, False
@@ -360,15 +350,14 @@ class Runtime:
                 if task.timed_out:
                     return False
                 task.occurrences[location] += 1
-                occurrence = task.occurrences[location]
-                chosen = self._decide(task, location, occurrence, f"blocked: {waiting_for}", True, forced=True)
+                chosen = self._decide(task, location, task.occurrences[location], "blocked: " + waiting_for(), True,
+                                      forced=True)
                 if chosen == task.index and task.timed_out:
                     return False
-                self._switch_to(task, chosen, "blocked")
+                self._switch_to(task, chosen, "blocked: " + waiting_for())
             return True
         finally:
-            task.waiting, task.waiting_for, task.timed = None, "", False
-            self.after_sync(task)
+            task.waiting, task.waiting_for, task.timed = None, None, False
 
     def _user_frame(self) -> Any:
         frame: Any = sys._getframe(1)
@@ -376,59 +365,30 @@ class Runtime:
             frame = frame.f_back
         return frame if frame is not None else sys._getframe(1)
 
-    # --- tracing ---------------------------------------------------------------------------
-    def _ops(self, code: Any) -> dict[int, tuple[str, str, bool]]:
-        ops = self._ops_cache.get(code)
-        if ops is None:
-            ops = {
-                ins.offset: (ins.opname, ins.argrepr, ins.opname not in LOCAL_OPCODES)
-                for ins in dis.get_instructions(code)
-            }
-            self._ops_cache[code] = ops
-        return ops
+    # --- names -------------------------------------------------------------------------------
+    def name_of(self, obj: object, kind: str) -> str:
+        """`s.a` for the lock at attribute `a` of the state the bodies call `s`; `Lock#2` (the
+        second Lock this execution created) only when no attribute path reaches it."""
+        key = id(obj)
+        name = self._names.get(key)
+        if name is None:
+            name = _find_path(self.state, obj, self.scenario.state_name()) or self._ordinal(obj, kind)
+            self._names[key] = name
+        return name
 
-    def _trace_call(self, frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename not in self.targets:
-            return None
-        task = self.me()
-        if task is None or self.aborted:
-            return None
-        frame.f_trace_opcodes = True
-        task.permitted = task.gil_permitted = True  # function entry (RESUME) is a switch point
-        task.gil_pending = False
-        return self._trace_local
+    def _ordinal(self, obj: object, kind: str) -> str:
+        ordinal = getattr(obj, "_ordinal", None)
+        if ordinal is None:
+            self._ordinals[kind] += 1
+            ordinal = self._ordinals[kind]
+        return f"{kind}#{ordinal}"
 
-    def _trace_local(self, frame: Any, event: str, arg: Any) -> Any:
-        task = self.by_ident.get(_thread.get_ident())
-        if task is None:
-            return None
-        if self.aborted:
-            raise Abort
-        if event == "line":
-            if self.mode is SwitchMode.LINE:
-                task.permitted = True
-            if self.record:
-                self._note_line(task, frame)
-            return self._trace_local
-        if event != "opcode":
-            return self._trace_local
-        opname, argrepr, visible = self._ops(frame.f_code).get(frame.f_lasti, ("?", "", True))
-        if task.gil_pending:
-            task.gil_permitted = True
-            task.gil_pending = False
-        if self.mode is SwitchMode.OPCODE:
-            task.permitted = True
-        elif self.mode is SwitchMode.GIL:
-            task.permitted = task.gil_permitted
-        if visible and task.permitted:
-            gil_ok = task.gil_permitted
-            task.permitted = task.gil_permitted = False
-            self.choice(task, frame, f"{opname} {argrepr}".strip(), gil_ok)
-        if opname in GIL_CHECKPOINT_OPCODES:
-            task.gil_pending = True
-        return self._trace_local
+    def created(self, obj: Primitive) -> None:
+        """Numbers a primitive in creation order (deterministic per execution)."""
+        self._ordinals[obj.kind] += 1
+        obj._ordinal = self._ordinals[obj.kind]  # type: ignore[attr-defined]
 
-    # --- narrative -------------------------------------------------------------------------
+    # --- narrative ---------------------------------------------------------------------------
     def _shared(self) -> str:
         if self.scenario.watch is None:
             return ""
@@ -437,31 +397,61 @@ class Runtime:
         except Exception as exc:  # a watch that fails must not change the execution
             return f"<{type(exc).__name__}>"
 
-    def _note_line(self, task: Task, frame: Any) -> None:
-        location = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
-        shared = self._shared()
-        seen = self._seen_in_run.setdefault(task.index, {})
-        if location in seen:
-            i = seen[location]
-            if i < len(self.steps) and self.steps[i].shared == shared and self.steps[i].thread == task.index:
-                s = self.steps[i]
-                self.steps[i] = Step(s.thread, s.location, s.source, s.shared, s.repeats + 1, s.switch)
-                return
-        source = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        seen[location] = len(self.steps)
-        self.steps.append(Step(task.index, location, source, shared))
 
-    def _note_switch(self, task: Task, why: str) -> None:
-        if not self.record:
-            return
-        self._seen_in_run[task.index] = {}
-        for i in range(len(self.steps) - 1, -1, -1):
-            if self.steps[i].thread == task.index:
-                s = self.steps[i]
-                if not s.switch:
-                    self.steps[i] = Step(s.thread, s.location, s.source, s.shared, s.repeats, why)
-                break
+_real_start = threading.Thread.start
 
 
-def run_once(scenario: Scenario, chooser: Chooser, mode: SwitchMode = SwitchMode.OPCODE, record: bool = False) -> Execution:
-    return Runtime(scenario, chooser, mode, record).run()
+def _where(ident: int | None, targets: frozenset[str]) -> str:
+    """Where a thread stands now: its innermost frame, and the traced frame that called it."""
+    frame: Any = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return "(its stack is not visible)"
+    inner, user = frame, frame
+    while user is not None and user.f_code.co_filename not in targets:
+        user = user.f_back
+    text = f"in {inner.f_code.co_name} at {short_path(inner.f_code.co_filename)}:{inner.f_lineno}"
+    if user is not None and user is not inner:
+        text += f", called from {short_path(user.f_code.co_filename)}:{user.f_lineno}"
+    return text
+
+
+def _find_path(root: Any, target: object, root_name: str, max_nodes: int = 4000) -> str | None:
+    """Breadth-first over attributes, dict values and sequence items from the state: the
+    shortest path that holds `target`, written as Python would (`s.locks[0]`, `s.table['k']`)."""
+    if root is target:
+        return root_name
+    seen = {id(root)}
+    frontier: list[tuple[Any, str]] = [(root, root_name)]
+    visited = 0
+    for _depth in range(4):
+        nxt: list[tuple[Any, str]] = []
+        for obj, path in frontier:
+            for child, child_path in _children(obj, path):
+                if child is target:
+                    return child_path
+                visited += 1
+                if id(child) in seen or visited > max_nodes or isinstance(child, (str, bytes, int, float, type)):
+                    continue
+                seen.add(id(child))
+                nxt.append((child, child_path))
+        frontier = nxt
+    return None
+
+
+def _children(obj: Any, path: str) -> list[tuple[Any, str]]:
+    if isinstance(obj, dict):
+        return [(v, f"{path}[{k!r}]") for k, v in list(obj.items())[:64]]
+    if isinstance(obj, (list, tuple)):
+        return [(v, f"{path}[{i}]") for i, v in enumerate(obj[:64])]
+    if isinstance(obj, Primitive) or callable(obj) and not hasattr(obj, "__dict__"):
+        return []
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return []
+    return [(v, f"{path}.{k}") for k, v in list(attrs.items())[:64] if not k.startswith("__")]
+
+
+def run_once(scenario: Scenario, chooser: Chooser, mode: SwitchMode = SwitchMode.OPCODE, record: bool = False,
+             limits: RunLimits | None = None) -> Execution:
+    return Runtime(scenario, chooser, mode, record, limits).run()

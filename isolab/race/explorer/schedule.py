@@ -3,6 +3,7 @@ and the strict replay that follows it and names the first step that diverges.
 
     # isolab race schedule v1
     scenario: passcode:buggy
+    target: passcode:buggy
     switch: gil
     outcome: failed: false accept: the wrong passcode was accepted
     source: isolab/race/checkers.py sha256=1f0c9a2b7d3e
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isolab.errors import InvalidRequestError
-from isolab.race.explorer.runtime import ROOT, Execution, PendingPoint, SwitchMode, run_once, short_path
+from isolab.race.explorer.runtime import RunLimits, run_once
 from isolab.race.explorer.scenario import Scenario
+from isolab.race.explorer.types import ROOT, Execution, PendingPoint, SwitchMode, short_path
 
 HEADER = "# isolab race schedule v1"
 _STEP = re.compile(r"^step (\d+): (\S+) at (\S+)#(\d+) \[(.*)\] -> (\S+)( preempt)?$")
@@ -49,9 +51,11 @@ class Schedule:
     outcome: str
     sources: dict[str, str]  # short path -> sha256 prefix, as saved
     steps: tuple[ScheduleStep, ...]
+    target: str = ""  # the TARGET string to load it again (a file target's absolute path)
 
     def render(self) -> str:
-        lines = [HEADER, f"scenario: {self.scenario}", f"switch: {self.switch}", f"outcome: {self.outcome}"]
+        lines = [HEADER, f"scenario: {self.scenario}"] + ([f"target: {self.target}"] if self.target else [])
+        lines += [f"switch: {self.switch}", f"outcome: {self.outcome}"]
         lines += [f"source: {path} sha256={digest}" for path, digest in sorted(self.sources.items())]
         for i, s in enumerate(self.steps):
             lines.append(f"step {i}: {s.thread} at {s.location}#{s.occurrence} [{s.what}] -> {s.chosen}"
@@ -79,8 +83,16 @@ def from_execution(scenario: Scenario, mode: SwitchMode, execution: Execution) -
         )
         for c in execution.points
     )
-    outcome = f"{execution.outcome}: {execution.message}" if execution.message else execution.outcome
-    return Schedule(scenario.name, mode.value, outcome, source_hashes(scenario), steps)
+    return Schedule(scenario.name, mode.value, execution.verdict, source_hashes(scenario), steps,
+                    absolute_target(scenario.target or scenario.name))
+
+
+def absolute_target(target: str) -> str:
+    """A file target with its path made absolute, so the schedule replays from anywhere."""
+    head, sep, attr = target.rpartition(":")
+    if sep and head.endswith(".py"):
+        return f"{Path(head).resolve()}:{attr}"
+    return target
 
 
 def parse(text: str) -> Schedule:
@@ -109,7 +121,8 @@ def parse(text: str) -> Schedule:
     for key in ("scenario", "switch"):
         if key not in fields:
             raise InvalidRequestError(f"schedule file has no '{key}:' line")
-    return Schedule(fields["scenario"], fields["switch"], fields.get("outcome", ""), sources, tuple(steps))
+    return Schedule(fields["scenario"], fields["switch"], fields.get("outcome", ""), sources, tuple(steps),
+                    fields.get("target", ""))
 
 
 def save(path: Path, schedule: Schedule) -> None:
@@ -160,7 +173,7 @@ class ReplayResult:
     last: Execution
 
 
-def replay(scenario: Scenario, schedule: Schedule, times: int = 1) -> ReplayResult:
+def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLimits | None = None) -> ReplayResult:
     if scenario.name != schedule.scenario:
         raise InvalidRequestError(f"schedule is for {schedule.scenario}, not {scenario.name}")
     mode = SwitchMode(schedule.switch)
@@ -169,15 +182,14 @@ def replay(scenario: Scenario, schedule: Schedule, times: int = 1) -> ReplayResu
     reproduced, divergence, last = 0, None, None
     for _ in range(times):
         chooser = StrictReplayChooser(schedule, scenario.names)
-        last = run_once(scenario, chooser, mode, record=True)
+        last = run_once(scenario, chooser, mode, record=True, limits=limits)
         if chooser.divergence is None and len(last.points) < len(schedule.steps):
             chooser.divergence = f"step {len(last.points)}: the run ended, the schedule goes on"
-        outcome = f"{last.outcome}: {last.message}" if last.message else last.outcome
-        if chooser.divergence is None and outcome == schedule.outcome:
+        if chooser.divergence is None and last.verdict == schedule.outcome:
             reproduced += 1
         divergence = divergence or chooser.divergence
     assert last is not None
     return ReplayResult(times, reproduced, divergence, changed, last)
 
 
-__all__ = ["ROOT", "Schedule", "ScheduleStep", "load", "parse", "replay", "save", "from_execution"]
+__all__ = ["ROOT", "Schedule", "ScheduleStep", "absolute_target", "load", "parse", "replay", "save", "from_execution"]
