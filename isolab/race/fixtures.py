@@ -1,5 +1,6 @@
 """Owns the known-buggy fixtures the explorer must catch (and their fixed twins, which it must
-pass): a lost update, a two-lock deadlock, check-then-act, and a lost wake-up on a Condition.
+pass): a lost update, a two-lock deadlock, check-then-act, a lost wake-up on a Condition, and
+the back-edge oversell (a `while` loop whose back edge is a GIL switch point).
 
 Each is the smallest program with the bug; `fixtures:<name>` names one on the command line.
 """
@@ -141,8 +142,40 @@ def lost_wakeup_fixed() -> Scenario:
                     thread_names=("consumer", "producer"), watch=lambda s: f"ready={s.ready}")
 
 
+# --- back-edge oversell: the check and the sale are separated by the loop's back edge ----------
+def _shop() -> SimpleNamespace:
+    return SimpleNamespace(stock=2, lock=threading.Lock())
+
+
+def _sell_all(s: SimpleNamespace) -> None:
+    while s.stock > 0:  # POP_JUMP_BACKWARD_IF_TRUE: CPython 3.11 may switch threads right after the check
+        s.stock -= 1
+
+
+def _sell_all_locked(s: SimpleNamespace) -> None:
+    while True:
+        with s.lock:
+            if s.stock <= 0:
+                return
+            s.stock -= 1
+
+
+def _not_oversold(s: SimpleNamespace, results: tuple) -> str | None:
+    return None if s.stock == 0 else f"oversold: stock is {s.stock} after selling 2 items"
+
+
+def stock_oversell() -> Scenario:
+    return Scenario("fixtures:stock_oversell", _shop, (_sell_all, _sell_all), _not_oversold,
+                    watch=lambda s: f"stock={s.stock}")
+
+
+def stock_oversell_fixed() -> Scenario:
+    return Scenario("fixtures:stock_oversell_fixed", _shop, (_sell_all_locked, _sell_all_locked), _not_oversold,
+                    watch=lambda s: f"stock={s.stock}")
+
+
 SCENARIOS: dict[str, Callable[[], Scenario]] = {
     f.__name__: f
     for f in (lost_update, lost_update_fixed, deadlock, deadlock_fixed, check_then_act, check_then_act_fixed,
-              lost_wakeup, lost_wakeup_fixed)
+              lost_wakeup, lost_wakeup_fixed, stock_oversell, stock_oversell_fixed)
 }
