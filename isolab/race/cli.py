@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="stop searching after this long (exit 3 if nothing was found)")
     explore.add_argument("--max-steps", type=int, default=10_000,
                          help="choice points per execution before a thread counts as making no progress")
+    explore.add_argument("--max-bytecodes", type=int, default=2_000_000,
+                         help="traced bytecodes per execution before a thread counts as making no progress")
     explore.add_argument("--stall-seconds", type=float, default=3.0,
                          help="a running thread that executes no traced code this long is blocked outside the model")
     explore.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -132,9 +134,10 @@ def _explore(args: argparse.Namespace) -> int:
         return 0
     if args.bound < 0 or args.times < 1 or args.runs < 1 or args.depth < 1:
         raise InvalidRequestError("--bound must be >= 0; --times, --runs and --depth >= 1")
-    if args.max_executions < 1 or args.max_steps < 1 or (args.time_limit is not None and args.time_limit <= 0) \
-            or args.stall_seconds <= 0:
-        raise InvalidRequestError("--max-executions, --max-steps, --time-limit and --stall-seconds must be positive")
+    if min(args.max_executions, args.max_steps, args.max_bytecodes) < 1 or args.stall_seconds <= 0 \
+            or (args.time_limit is not None and args.time_limit <= 0):
+        raise InvalidRequestError("--max-executions, --max-steps, --max-bytecodes, --time-limit and --stall-seconds "
+                                  "must be positive")
     if args.replay is not None:
         return run_replay(args.target, args.replay, args.times, limits_of(args))
     if not args.target:

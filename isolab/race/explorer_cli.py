@@ -69,7 +69,8 @@ def _progress(p: Progress) -> None:
 
 def limits_of(args: argparse.Namespace) -> SearchLimits:
     return SearchLimits(max_executions=args.max_executions, time_limit=args.time_limit,
-                        run=RunLimits(max_points=args.max_steps, stall_seconds=args.stall_seconds))
+                        run=RunLimits(max_points=args.max_steps, max_ops=args.max_bytecodes,
+                                      stall_seconds=args.stall_seconds))
 
 
 def run_explore(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, SupportsIndex
 
@@ -314,6 +315,7 @@ REAL: dict[str, Any] = {
 _REAL_LOCK = type(threading.Lock())
 _REAL_RLOCK = type(threading.RLock())
 _REAL_START = threading.Thread.start
+_REAL_SUBMIT = ThreadPoolExecutor.submit
 
 
 def _model_for(rt: Scheduler, obj: object) -> Primitive | None:
@@ -391,6 +393,12 @@ def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None
                            "an executor's submit) are not modelled: list them in Scenario.threads")
         _REAL_START(thread)
 
+    def submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        if rt.me() is not None:  # before submit takes its module-level (real) lock
+            rt.unsupported("submits to a thread pool; an executor's worker threads are not modelled: "
+                           "list the work as Scenario.threads")
+        return _REAL_SUBMIT(executor, fn, *args, **kwargs)
+
     fakes = {"Lock": Lock, "RLock": RLock, "Condition": Condition, "Event": Event,
              "Semaphore": Semaphore, "BoundedSemaphore": BoundedSemaphore}
     swaps = _swaps(rt, module_names, fakes)
@@ -399,6 +407,7 @@ def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None
         setattr(threading, name, fake)
     time.sleep = sleep
     threading.Thread.start = start  # type: ignore[method-assign, assignment]
+    ThreadPoolExecutor.submit = submit  # type: ignore[method-assign, assignment]
     for holder, attr, replacement in swaps:
         setattr(holder, attr, replacement)
     try:
@@ -410,3 +419,4 @@ def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None
             setattr(threading, name, original)
         time.sleep = real_sleep
         threading.Thread.start = _REAL_START  # type: ignore[method-assign]
+        ThreadPoolExecutor.submit = _REAL_SUBMIT  # type: ignore[method-assign]

@@ -135,6 +135,7 @@ class Runtime(Tracer):
                                                                                   self.scenario.threads, strict=True))]
             coroutine = next((t for t in self.tasks if inspect.iscoroutinefunction(inspect.unwrap(t.body))), None)
             if coroutine is not None:
+                self.done.acquire()
                 self._end(Outcome.UNSUPPORTED, f"{coroutine.name}'s body is an async def: the explorer runs threads, "
                           "not asyncio tasks (call asyncio.run inside a plain function to explore it as one thread)")
             else:
