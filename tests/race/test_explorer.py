@@ -77,7 +77,7 @@ def test_lost_update_needs_a_switch_the_gil_never_takes() -> None:
 def test_deadlock_names_both_locks_by_their_attributes() -> None:
     result = bounded_search(FIXTURES["deadlock"](), bound=1, mode=SwitchMode.OPCODE)
     assert result.failure is not None
-    assert result.failure.message == "deadlock: T0 waits for s.b held by T1; T1 waits for s.a held by T0"
+    assert result.failure.verdict == "deadlock: T0 waits for s.b held by T1; T1 waits for s.a held by T0"
 
 
 def test_two_lock_deadlock_needs_a_switch_the_gil_never_takes() -> None:
@@ -138,7 +138,7 @@ def test_event_semaphore_and_rlock_are_modelled() -> None:
     result = bounded_search(_scenario(S, waiter, setter, check=check), bound=BOUND, mode=SwitchMode.OPCODE)
     assert result.failure is None and result.exhausted
     starved = bounded_search(_scenario(S, setter), bound=0)  # acquires a semaphore nobody releases
-    assert starved.failure is not None and starved.failure.message == "deadlock: T0 waits for s.sem (value 0)"
+    assert starved.failure is not None and starved.failure.verdict == "deadlock: T0 waits for s.sem (value 0)"
 
 
 def test_real_primitives_are_restored_after_exploring() -> None:

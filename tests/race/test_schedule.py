@@ -6,7 +6,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from isolab.race.explorer import SwitchMode, load
+import pytest
+
+from isolab.cli import main
+from isolab.race.explorer import ExitCode, Scenario, SwitchMode, load, narrative
 from isolab.race.explorer.api import explore
 from isolab.race.explorer.schedule import load as load_schedule
 from isolab.race.explorer.schedule import parse, replay, save
@@ -69,3 +72,44 @@ def test_replay_after_an_edit_reports_the_first_divergent_step(tmp_path: Path) -
     result = replay(edited, schedule)
     assert result.changed_sources == (str(target),) or result.changed_sources[0].endswith("box.py")
     assert result.divergence is not None and result.divergence.startswith("step ")
+
+
+@pytest.mark.parametrize("fixture", ["deadlock", "lost_wakeup"])
+def test_deadlock_replays_reproduce_every_time(fixture: str, tmp_path: Path, capsys) -> None:
+    saved = tmp_path / f"{fixture}.schedule"
+    assert main(["race", "explore", f"fixtures:{fixture}", "--quiet", "--save", str(saved)]) == ExitCode.BUG
+    outcome = next(line for line in saved.read_text().splitlines() if line.startswith("outcome: "))
+    assert outcome.startswith("outcome: deadlock: ") and "#" not in outcome and " s." in outcome
+    capsys.readouterr()
+    assert main(["race", "explore", "--replay", str(saved), "--times", "5"]) == ExitCode.BUG
+    assert "reproduced 5 of 5" in capsys.readouterr().out
+
+
+def test_replay_hint_after_save_works_for_a_file_target_from_another_folder(tmp_path: Path, monkeypatch,
+                                                                            capsys) -> None:
+    target = tmp_path / "box.py"
+    target.write_text(textwrap.dedent(TARGET.format(extra="")))
+    saved = tmp_path / "box.schedule"
+    monkeypatch.chdir(tmp_path)
+    assert main(["race", "explore", "box.py:scenario", "--quiet", "--switch", "gil", "--save", str(saved)]) == 1
+    hint = capsys.readouterr().out.rsplit("replay: ", 1)[1].strip()
+    assert hint == f"isolab race explore --replay {saved}"
+    assert f"target: {target}:scenario" in saved.read_text()
+    monkeypatch.chdir(Path(__file__).parent)
+    assert main(hint.split()[1:] + ["--times", "3"]) == ExitCode.BUG
+    assert "reproduced 3 of 3" in capsys.readouterr().out
+
+
+def test_narrative_shows_the_resumed_half_of_a_cut_line_and_a_raise() -> None:
+    report = explore(passcode("buggy"), SwitchMode.GIL, bound=1)
+    assert report.finding is not None
+    text = narrative.render(report.finding.execution, passcode("buggy").names)
+    cut = [line for line in text.splitlines() if "self.result = (self.input_buffer == self.correct)" in line]
+    resumed = [line for line in cut if "(resumed)" in line]
+    assert len(cut) == 3 and len(resumed) == 1  # wrong's first half, right's whole line, wrong's second half
+    assert resumed[0].split()[1] == "wrong" and "input_buffer=right" in resumed[0]
+    raising = Scenario("raise", lambda: None, (lambda s: 1 // 0, lambda s: None), lambda s, r: None)
+    failed = explore(raising, SwitchMode.GIL, bound=0)
+    assert failed.finding is not None
+    assert "-- raised ZeroDivisionError: integer division or modulo by zero; thread done" in narrative.render(
+        failed.finding.execution, raising.names)

@@ -104,6 +104,7 @@ class Runtime(Tracer):
         self.points: list[ChoicePoint] = []
         self.in_setup = False
         self.aborted = False
+        self.silent = False
         self.outcome: Outcome | None = None
         self.message: str | None = None
         self.done = _thread.allocate_lock()
@@ -262,7 +263,7 @@ class Runtime(Tracer):
             timed_out = True
         if not enabled:
             blocked = "; ".join(f"{t.name} {t.blocked_on()}" for t in self.tasks if not t.finished)
-            self._end(Outcome.DEADLOCK, f"deadlock: {blocked}")
+            self._end(Outcome.DEADLOCK, blocked)
             raise Abort
         current = task.index if task is not None else None
         current_enabled = (not forced) and current in enabled and not timed_out
@@ -393,10 +394,13 @@ class Runtime(Tracer):
     def _shared(self) -> str:
         if self.scenario.watch is None:
             return ""
+        self.silent = True  # the watch may live in a traced file: it must not make steps or choices
         try:
             return self.scenario.watch(self.state)
         except Exception as exc:  # a watch that fails must not change the execution
             return f"<{type(exc).__name__}>"
+        finally:
+            self.silent = False
 
 
 _real_start = threading.Thread.start

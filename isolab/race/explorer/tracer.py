@@ -131,6 +131,7 @@ class Tracer:
     mode: SwitchMode
     record: bool
     aborted: bool
+    silent: bool
     targets: frozenset[str]
     max_ops: int
     num_ops: int
@@ -159,7 +160,7 @@ class Tracer:
                 task.pending_frame = None
 
         def trace_call(frame: Any, event: str, arg: Any) -> Any:
-            if self.aborted:
+            if self.aborted or self.silent:
                 return None
             code = frame.f_code
             filename = code.co_filename
