@@ -113,7 +113,7 @@ class Runtime(Tracer):
         self.holder: Task | None = None
         self._names: dict[int, str] = {}
         self._ordinals: Counter = Counter()
-        self._init_tracer()
+        self._init_tracer(scenario.code_infos, scenario.readonly_names)
 
     # --- who is calling ----------------------------------------------------------------------
     def me(self) -> Task | None:

@@ -10,6 +10,7 @@ listed by `untraced()` so a report can say what the explorer could not see.
 
 from __future__ import annotations
 
+import dis
 import importlib
 import importlib.util
 import inspect
@@ -104,6 +105,34 @@ class Scenario:
                     files.add(module_file)
         return frozenset(files)
 
+    @cached_property
+    def code_infos(self) -> dict[Any, Any]:
+        """tracer.CodeInfo per code object, kept across this scenario's executions."""
+        return {}
+
+    @cached_property
+    def readonly_names(self) -> frozenset[tuple[str, str]]:
+        """("attr"|"global"|"deref", name) for every name that traced code loads but never stores
+        or deletes: a load of one reads a binding made before the threads started, so it needs
+        no choice point. Empty (no reduction) when a traced file cannot be read or its code
+        writes attributes or globals indirectly (setattr, delattr, __dict__, globals(), vars())."""
+        loads: set[tuple[str, str]] = set()
+        stores: set[tuple[str, str]] = set()
+        for path in self.target_files():
+            try:
+                code = compile(Path(path).read_text(), path, "exec")
+            except (OSError, SyntaxError, ValueError):
+                return frozenset()
+            for c in _code_objects(code):
+                for ins in dis.get_instructions(c):
+                    kind = _NAME_KINDS.get(ins.opname)
+                    if kind is not None:
+                        (stores if ins.opname.startswith(("STORE", "DELETE")) else loads).add((kind, str(ins.argval)))
+                    if ins.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME") and \
+                            str(ins.argval) in _INDIRECT_WRITERS:
+                        return frozenset()
+        return frozenset(loads - stores)
+
     def untraced(self) -> tuple[str, ...]:
         """Modules outside the standard library that traced code imports but the explorer does
         not trace (site-packages, unless named by trace_modules). The standard library is never
@@ -118,6 +147,21 @@ class Scenario:
                     continue
                 names.add(other.__name__)
         return tuple(sorted(names))
+
+
+_NAME_KINDS = {"LOAD_ATTR": "attr", "LOAD_METHOD": "attr", "STORE_ATTR": "attr", "DELETE_ATTR": "attr",
+               "LOAD_GLOBAL": "global", "STORE_GLOBAL": "global", "DELETE_GLOBAL": "global",
+               "LOAD_DEREF": "deref", "STORE_DEREF": "deref", "DELETE_DEREF": "deref"}
+_INDIRECT_WRITERS = frozenset({"setattr", "delattr", "__dict__", "globals", "vars", "__setattr__", "__delattr__"})
+
+
+def _code_objects(code: types.CodeType) -> list[types.CodeType]:
+    out, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return out
 
 
 _STDLIB = {os.path.realpath(p) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}}
@@ -172,7 +216,8 @@ def _import(name: str) -> types.ModuleType:
         raise InvalidRequestError(f"cannot import module {name!r} to trace it: {exc}") from None
 
 
-BUILTIN_GROUPS = {"passcode": "isolab.race.scenarios", "fixtures": "isolab.race.fixtures"}
+BUILTIN_GROUPS = {"passcode": "isolab.race.scenarios", "fixtures": "isolab.race.fixtures",
+                  "workloads": "isolab.race.workloads"}
 
 
 def builtin_names() -> list[str]:

@@ -47,10 +47,19 @@ class CodeInfo:
     primitive_sites: dict[int, tuple[tuple[tuple[str, str], ...], str]] = field(default_factory=dict)
 
 
-def code_info(code: Any) -> CodeInfo:
+# Loads of a name that no traced code ever stores: they read a binding made before the threads
+# started (`s.lock`, `self.items`, a module global), so they commute with every step of every
+# thread and need no choice point (scenario.Scenario.readonly_names decides which names).
+_READ_OPCODES = {"LOAD_ATTR": "attr", "LOAD_METHOD": "attr", "LOAD_GLOBAL": "global", "LOAD_DEREF": "deref"}
+
+
+def code_info(code: Any, readonly: frozenset[tuple[str, str]] = frozenset()) -> CodeInfo:
     instructions = list(dis.get_instructions(code))
     ops = {
-        ins.offset: (ins.opname, ins.argrepr, ins.opname not in gil.LOCAL_OPCODES, ins.opname in gil.WRITE_OPCODES)
+        ins.offset: (ins.opname, ins.argrepr,
+                     ins.opname not in gil.LOCAL_OPCODES
+                     and (_READ_OPCODES.get(ins.opname), str(ins.argval)) not in readonly,
+                     ins.opname in gil.WRITE_OPCODES)
         for ins in instructions
     }
     unchecked: set[int] = set()
@@ -138,14 +147,15 @@ class Tracer:
     tasks: list[Task]
     steps: list[Step]
 
-    def _init_tracer(self) -> None:
-        self._info_cache: dict[Any, CodeInfo] = {}
+    def _init_tracer(self, info_cache: dict[Any, CodeInfo], readonly: frozenset[tuple[str, str]]) -> None:
+        self._info_cache = info_cache  # shared by every execution of one scenario
+        self._readonly = readonly
         self._seen_in_run: dict[int, dict[str, int]] = {}  # thread -> location -> step index
 
     def _info(self, code: Any) -> CodeInfo:
         info = self._info_cache.get(code)
         if info is None:
-            info = self._info_cache[code] = code_info(code)
+            info = self._info_cache[code] = code_info(code, self._readonly)
         return info
 
     # --- hooks, one set per managed thread ----------------------------------------------------
