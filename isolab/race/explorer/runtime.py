@@ -13,6 +13,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from isolab.race.explorer.primitives import Primitive, modelled
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.tracer import Tracer
 from isolab.race.explorer.types import (
+    REDUNDANT,
     Abort,
     ChoicePoint,
     Chooser,
@@ -72,6 +74,8 @@ class Task:
     jump_offset: int = 0
     occurrences: Counter = field(default_factory=Counter)
     arrivals: int = 0
+    primed: bool = False  # ran up to its first choice point
+    last_choice_ops: int = -1  # Runtime.num_ops at this task's last choice point
 
     def enabled(self) -> bool:
         if self.finished or (self.waiting is not None and not self.waiting()):
@@ -111,6 +115,11 @@ class Runtime(Tracer):
         self.state: Any = None
         self.steps: list = []
         self.holder: Task | None = None
+        self.touched: set[tuple[str, str, str]] = set()
+        self.handback = _thread.allocate_lock()  # released by a thread that finished priming
+        self.handback.acquire()
+        self.num_arrivals = 0
+        self._last_progress, self._last_change = -1, time.monotonic()
         self._names: dict[int, str] = {}
         self._ordinals: Counter = Counter()
         self._init_tracer(scenario.code_infos, scenario.readonly_names)
@@ -145,7 +154,7 @@ class Runtime(Tracer):
         outcome, message = self.outcome or Outcome.OK, self.message
         if outcome is Outcome.OK:
             outcome, message = self._verdict(results)
-        return Execution(self.points, outcome, message, results, self.steps, final=self._shared())
+        return Execution(self.points, outcome, message, results, self.steps, frozenset(self.touched), self._shared())
 
     def _run_threads(self) -> None:
         threads = []
@@ -159,9 +168,14 @@ class Runtime(Tracer):
             assert t.ident is not None
             task.ident = t.ident
             self.by_ident[t.ident] = task
-        first = self._decide(None, "<start>", 1, "start", True, forced=False)
-        self.holder = self.tasks[first]
-        self.tasks[first].baton.release()
+        if self._prime():
+            try:
+                first = self._decide(None, "<start>", 1, "start", True, forced=False)
+            except Abort:
+                first = None
+            if first is not None:
+                self.holder = self.tasks[first]
+                self.tasks[first].baton.release()
         self._watch()
         if self.outcome is not Outcome.OK:
             self.aborted = True
@@ -174,25 +188,54 @@ class Runtime(Tracer):
         for t in threads:
             t.join(1.0)
 
+    def _prime(self) -> bool:
+        """Runs each thread, in turn, up to its first choice point. What a thread does before
+        its first visible operation touches only its own locals, so the order is immaterial, and
+        afterwards every thread stands at a shared operation (with its guard known) when the first
+        decision is taken. False when the execution ended meanwhile (or every thread finished)."""
+        for task in self.tasks:
+            self.holder = task
+            task.baton.release()
+            if not self._await(self.handback):
+                return False
+        if all(t.finished for t in self.tasks):
+            self._end(Outcome.OK, None)
+            return False
+        return True
+
+    def _await(self, lock: Any) -> bool:
+        """Waits for `lock` to be released to us; False when the execution ended instead."""
+        while not lock.acquire(True, 0.05):
+            if self.outcome is not None:
+                return False
+            if self._stalled():
+                return False
+        return self.outcome is None
+
     def _watch(self) -> None:
         """Waits for the end; a running thread that executes no traced bytecode for
         stall_seconds is blocked (or busy) outside the model, and is named."""
-        slice_s = min(0.25, self.limits.stall_seconds)
-        last, still = -1, 0.0
-        while not self.done.acquire(True, slice_s):
-            progress = self.num_ops + len(self.points)
-            if progress != last:
-                last, still = progress, 0.0
-                continue
-            still += slice_s
-            if still >= self.limits.stall_seconds:
-                holder = self.holder
-                name = holder.name if holder is not None else "a thread"
-                where = _where(holder.ident if holder is not None else None, self.targets)
-                self._end(Outcome.BLOCKED_OUTSIDE,
-                          f"{name} blocked outside the model {where}: nothing ran for {self.limits.stall_seconds:g}s "
-                          "(a lock made outside the explorer, I/O, a C call that waits, or untraced work)")
+        while not self.done.acquire(True, 0.05):
+            if self._stalled():
                 return
+
+    def _stalled(self) -> bool:
+        """True (after ending the execution) when the running thread executed no traced code
+        for stall_seconds."""
+        now = time.monotonic()
+        progress = self.num_ops + len(self.points) + self.num_arrivals
+        if progress != self._last_progress:
+            self._last_progress, self._last_change = progress, now
+            return False
+        if now - self._last_change < self.limits.stall_seconds:
+            return False
+        holder = self.holder
+        name = holder.name if holder is not None else "a thread"
+        where = _where(holder.ident if holder is not None else None, self.targets)
+        self._end(Outcome.BLOCKED_OUTSIDE,
+                  f"{name} blocked outside the model {where}: nothing ran for {self.limits.stall_seconds:g}s "
+                  "(a lock made outside the explorer, I/O, a C call that waits, or untraced work)")
+        return True
 
     def _verdict(self, results: tuple[Any, ...]) -> tuple[Outcome, str | None]:
         for task, result in zip(self.tasks, results, strict=True):
@@ -231,6 +274,10 @@ class Runtime(Tracer):
             return
         task.finished = True
         self._note_switch(task, f"raised {task.error}; thread done" if task.error else "returns; thread done")
+        if not task.primed:  # it finished before its first shared operation
+            task.primed = True
+            self.handback.release()
+            return
         if all(t.finished for t in self.tasks):
             self._end(Outcome.OK, None)
             return
@@ -278,8 +325,12 @@ class Runtime(Tracer):
                           "explorer does not assume; wait on an Event or Condition instead)")
                 raise Abort
             point = PendingPoint(len(self.points), current, tuple(enabled), location, occurrence, what, gil_ok,
-                                 current_enabled)
+                                 current_enabled, frozenset(self.touched))
+            self.touched.clear()
             chosen = self.chooser.choose(point)
+            if chosen == REDUNDANT and self.outcome is None:
+                self._end(Outcome.REDUNDANT, None)
+                raise Abort
             if chosen not in enabled or self.outcome is not None:
                 self._end(self.outcome or Outcome.DIVERGED,
                           self.message or f"chooser picked a thread that cannot run: {chosen}")
@@ -305,7 +356,20 @@ class Runtime(Tracer):
         location = f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
         task.occurrences[location] += 1
         task.arrivals += 1
+        self.num_arrivals += 1
+        task.last_choice_ops = self.num_ops
         task.guard = guard
+        if not task.primed:  # the first shared operation: park until the first decision picks us
+            task.primed = True
+            self._note_switch(task, "reached its first shared operation; waits for the first decision")
+            self.handback.release()
+            task.baton.acquire()
+            task.guard = None
+            if self.aborted:
+                raise Abort
+            if self.record:
+                self._note_line(task, frame, resumed=True)
+            return
         try:
             chosen = self._decide(task, location, task.occurrences[location], what, gil_ok, forced=yielding)
             preempted = chosen != task.index
@@ -324,8 +388,12 @@ class Runtime(Tracer):
         assert task is not None
         if self.aborted:
             raise Abort
-        if not c_level:
+        if not c_level and task.last_choice_ops != self.num_ops:
+            # entering Python-level primitive code is a switch point, unless the call itself
+            # was just a choice point (nothing ran in between: a second choice would be a twin)
             task.permitted = task.gil_permitted = True
+        if not yielding:
+            self.touched.add(("w", "prim", what.rpartition(".")[0]))
         if task.permitted or yielding:
             gil_ok = task.gil_permitted or yielding
             task.permitted = task.gil_permitted = False
@@ -336,7 +404,9 @@ class Runtime(Tracer):
     def after_sync(self, task: Task, c_level: bool = False) -> None:
         """After a primitive's operation. Leaving Python-level primitive code (Condition, Event)
         passes switch points; leaving a C lock's acquire or release does not."""
-        if not c_level:
+        if not c_level and task.last_choice_ops != self.num_ops:
+            # entering Python-level primitive code is a switch point, unless the call itself
+            # was just a choice point (nothing ran in between: a second choice would be a twin)
             task.permitted = task.gil_permitted = True
 
     def block(self, task: Task, ready: Callable[[], bool], waiting_for: Callable[[], str], timed: bool = False) -> bool:

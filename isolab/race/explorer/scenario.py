@@ -114,8 +114,10 @@ class Scenario:
     def readonly_names(self) -> frozenset[tuple[str, str]]:
         """("attr"|"global"|"deref", name) for every name that traced code loads but never stores
         or deletes: a load of one reads a binding made before the threads started, so it needs
-        no choice point. Empty (no reduction) when a traced file cannot be read or its code
-        writes attributes or globals indirectly (setattr, delattr, __dict__, globals(), vars())."""
+        no choice point. `self.x = ...` inside `__init__` does not count as a store: an object is
+        assumed not to be shared before its __init__ returns. Empty (no reduction) when a traced
+        file cannot be read or its code writes attributes or globals indirectly (setattr,
+        delattr, __dict__, globals(), vars())."""
         loads: set[tuple[str, str]] = set()
         stores: set[tuple[str, str]] = set()
         for path in self.target_files():
@@ -124,10 +126,15 @@ class Scenario:
             except (OSError, SyntaxError, ValueError):
                 return frozenset()
             for c in _code_objects(code):
-                for ins in dis.get_instructions(c):
+                instructions = list(dis.get_instructions(c))
+                for k, ins in enumerate(instructions):
                     kind = _NAME_KINDS.get(ins.opname)
-                    if kind is not None:
-                        (stores if ins.opname.startswith(("STORE", "DELETE")) else loads).add((kind, str(ins.argval)))
+                    if kind is None:
+                        continue
+                    if not ins.opname.startswith(("STORE", "DELETE")):
+                        loads.add((kind, str(ins.argval)))
+                    elif not _initialises_self(c, instructions, k):
+                        stores.add((kind, str(ins.argval)))
                     if ins.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME") and \
                             str(ins.argval) in _INDIRECT_WRITERS:
                         return frozenset()
@@ -151,8 +158,17 @@ class Scenario:
 
 _NAME_KINDS = {"LOAD_ATTR": "attr", "LOAD_METHOD": "attr", "STORE_ATTR": "attr", "DELETE_ATTR": "attr",
                "LOAD_GLOBAL": "global", "STORE_GLOBAL": "global", "DELETE_GLOBAL": "global",
+               "STORE_NAME": "global", "DELETE_NAME": "global",
                "LOAD_DEREF": "deref", "STORE_DEREF": "deref", "DELETE_DEREF": "deref"}
 _INDIRECT_WRITERS = frozenset({"setattr", "delattr", "__dict__", "globals", "vars", "__setattr__", "__delattr__"})
+
+
+def _initialises_self(code: types.CodeType, instructions: list[dis.Instruction], k: int) -> bool:
+    """`self.x = value` directly inside an __init__ (the object is not shared yet)."""
+    if code.co_name != "__init__" or instructions[k].opname != "STORE_ATTR" or k == 0 or not code.co_argcount:
+        return False
+    owner = instructions[k - 1]
+    return owner.opname == "LOAD_FAST" and owner.argval == code.co_varnames[0]
 
 
 def _code_objects(code: types.CodeType) -> list[types.CodeType]:

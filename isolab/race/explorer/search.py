@@ -17,7 +17,7 @@ from enum import StrEnum
 from isolab.race.explorer.runtime import RunLimits, run_once
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.strategies import BoundedStrategy, PCTStrategy, Strategy
-from isolab.race.explorer.types import Execution, ExitCode, SwitchMode
+from isolab.race.explorer.types import Execution, ExitCode, Outcome, SwitchMode
 
 
 class Verdict(StrEnum):
@@ -125,7 +125,8 @@ def search(
         execution = run_once(scenario, chooser, mode, limits=limits.run)
         executions += 1
         strategy.observe(execution)
-        states.add((execution.outcome.value, _short_repr(execution.results), execution.final))
+        if execution.outcome is not Outcome.REDUNDANT:
+            states.add((execution.outcome.value, _short_repr(execution.results), execution.final))
         if on_execution is not None:
             on_execution(execution)
         if execution.outcome.is_inconclusive:
@@ -162,10 +163,11 @@ def bounded_search(
     max_executions: int = 100_000,
     on_execution: Callable[[Execution], None] | None = None,
     limits: SearchLimits | None = None,
+    reduction: bool = True,
 ) -> SearchResult:
     """Iterative preemption bounding up to `bound` preemptions."""
     limits = limits or SearchLimits(max_executions=max_executions)
-    return search(scenario, BoundedStrategy(bound), mode, limits, count_all, on_execution=on_execution)
+    return search(scenario, BoundedStrategy(bound, reduction), mode, limits, count_all, on_execution=on_execution)
 
 
 def pct_search(scenario: Scenario, seed: int = 0, depth: int = 2, runs: int = 200,

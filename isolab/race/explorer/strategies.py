@@ -4,7 +4,9 @@ driver (search.py) runs them all the same way. None of them knows about threads 
 
     bounded   iterative preemption bounding (CHESS): every schedule with 0 preemptions, then 1,
               then 2 ... up to the bound, exhaustive within it; the first failure found therefore
-              has the fewest preemptions possible.
+              has the fewest preemptions possible. With sleep sets (Godefroid) it skips schedules
+              that only reorder independent steps (footprint.py), kept sound under the bound by
+              putting to sleep only a thread whose step was a free continuation (see BoundedStrategy).
     pct       Probabilistic Concurrency Testing: random thread priorities and depth-1 priority
               change points; a bug of depth d is hit with p >= 1/(n k^(d-1)) per run.
     replay    follow a saved schedule step by step (strict, schedule.py) or only its non-default
@@ -17,7 +19,10 @@ import random
 from collections import deque
 from typing import Protocol
 
-from isolab.race.explorer.types import Chooser, Execution, PendingPoint
+from isolab.race.explorer.footprint import Token, independent
+from isolab.race.explorer.types import REDUNDANT, Chooser, Execution, PendingPoint
+
+Sleep = dict[int, frozenset[Token]]  # thread -> the footprint of its next step, already explored
 
 
 class Strategy(Protocol):
@@ -48,39 +53,90 @@ class PrefixChooser:
         return point.default
 
 
+class SleepChooser:
+    """Follows a prefix; from its last choice on, never runs a sleeping thread (one whose next
+    step was explored first at an ancestor and commutes with everything run since). When only
+    sleeping threads can run, every continuation is a reordering of an explored schedule: the
+    execution is cut short as REDUNDANT."""
+
+    def __init__(self, prefix: list[int], entry: Sleep) -> None:
+        self.prefix, self.entry = prefix, entry
+        self.sleep: Sleep = {}
+
+    def choose(self, point: PendingPoint) -> int:
+        last = len(self.prefix) - 1
+        if point.index < last:
+            return self.prefix[point.index]
+        if point.index == last:
+            self.sleep = dict(self.entry)
+            return self.prefix[last]
+        self.sleep = wake(self.sleep, point.touched)
+        if point.default not in self.sleep:
+            return point.default
+        awake = [t for t in point.enabled if t not in self.sleep]
+        return awake[0] if awake else REDUNDANT
+
+
+def wake(sleep: Sleep, touched: frozenset[Token]) -> Sleep:
+    """The sleeping threads whose step still commutes with what just ran."""
+    return {t: f for t, f in sleep.items() if independent(f, touched)} if sleep else sleep
+
+
 class BoundedStrategy:
     """A schedule is its list of choices; a child deviates from its parent's default at one
     point past the parent's prefix, so each schedule runs exactly once. Queues per preemption
-    count make the order 0, 1, 2 ... preemptions."""
+    count make the order 0, 1, 2 ... preemptions.
 
-    def __init__(self, bound: int) -> None:
+    Sleep sets, kept sound under the preemption bound: at a choice point where the running
+    thread c could continue, c's step is explored first (free); in the sibling branches that
+    preempt c, c sleeps until something dependent on its step runs. A schedule skipped that way,
+    n.u.A.c.B, has an explored twin n.c.u.A.B whose preemption count is never higher (c's step
+    moves to where it was a free continuation), so the bound still covers every schedule up to
+    reordering of independent steps. Only the continuing thread is put to sleep: at a forced
+    switch the twin can cost one preemption more."""
+
+    def __init__(self, bound: int, reduction: bool = True) -> None:
         self.bound = bound
-        self.label = f"bounded({bound})"
-        self.queues: list[deque[list[int]]] = [deque() for _ in range(bound + 1)]
-        self.queues[0].append([])
+        self.reduction = reduction
+        self.label = f"bounded({bound})" + ("" if reduction else ", no reduction")
+        self.queues: list[deque[tuple[list[int], Sleep]]] = [deque() for _ in range(bound + 1)]
+        self.queues[0].append(([], {}))
         self.per_bound = {b: 0 for b in range(bound + 1)}
+        self.redundant = 0
         self._level = 0
         self._prefix: list[int] = []
+        self._entry: Sleep = {}
 
     def next(self) -> Chooser | None:
         while self._level <= self.bound and not self.queues[self._level]:
             self._level += 1
         if self._level > self.bound:
             return None
-        self._prefix = self.queues[self._level].popleft()
+        self._prefix, self._entry = self.queues[self._level].popleft()
         self.per_bound[self._level] += 1
-        return PrefixChooser(self._prefix)
+        return SleepChooser(self._prefix, self._entry) if self.reduction else PrefixChooser(self._prefix)
 
     def observe(self, execution: Execution) -> None:
-        prefix, choices, preemptions = self._prefix, [c.chosen for c in execution.points], 0
-        for i, c in enumerate(execution.points):
-            if i >= len(prefix):
+        prefix, points = self._prefix, execution.points
+        self.redundant += execution.outcome.value == "redundant"
+        choices, preemptions = [c.chosen for c in points], 0
+        last = len(prefix) - 1
+        sleep: Sleep = dict(self._entry) if last >= 0 else {}
+        for i, c in enumerate(points):
+            if i > last and i > 0 and self.reduction:
+                sleep = wake(sleep, c.point.touched)
+            if i > last:
+                after = points[i + 1].point.touched if i + 1 < len(points) else execution.tail
+                continuing = c.point.current_enabled and c.chosen == c.point.current
                 for alt in c.point.enabled:
-                    if alt == c.chosen:
+                    if alt == c.chosen or (self.reduction and alt in sleep):
                         continue
                     cost = preemptions + (1 if c.point.current_enabled and alt != c.point.current else 0)
                     if cost <= self.bound:
-                        self.queues[cost].append(choices[:i] + [alt])
+                        child = dict(sleep) if self.reduction else {}
+                        if self.reduction and continuing:
+                            child[c.chosen] = after
+                        self.queues[cost].append((choices[:i] + [alt], child))
             if c.preemptive:
                 preemptions += 1
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from isolab.race.explorer import gil
+from isolab.race.explorer import footprint, gil
 from isolab.race.explorer.types import EXPLORER_DIR, Abort, Outcome, Step, SwitchMode, short_path
 
 if TYPE_CHECKING:
@@ -39,10 +39,11 @@ _CHAIN_LOADS = frozenset({"LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_ATTR"}
 
 @dataclass
 class CodeInfo:
-    """Per code object: each offset's (opname, argrepr, visible, writes), the calls 3.11 runs
-    without a check, and the loads that fetch a primitive about to be acquired or waited on."""
+    """Per code object: each offset's (opname, argrepr, visible, footprint token), the calls
+    3.11 runs without a check, and the loads that fetch a primitive about to be acquired or
+    waited on."""
 
-    ops: dict[int, tuple[str, str, bool, bool]]
+    ops: dict[int, tuple[str, str, bool, footprint.Token | None]]
     unchecked_calls: frozenset[int]
     primitive_sites: dict[int, tuple[tuple[tuple[str, str], ...], str]] = field(default_factory=dict)
 
@@ -55,18 +56,20 @@ _READ_OPCODES = {"LOAD_ATTR": "attr", "LOAD_METHOD": "attr", "LOAD_GLOBAL": "glo
 
 def code_info(code: Any, readonly: frozenset[tuple[str, str]] = frozenset()) -> CodeInfo:
     instructions = list(dis.get_instructions(code))
-    ops = {
-        ins.offset: (ins.opname, ins.argrepr,
-                     ins.opname not in gil.LOCAL_OPCODES
-                     and (_READ_OPCODES.get(ins.opname), str(ins.argval)) not in readonly,
-                     ins.opname in gil.WRITE_OPCODES)
-        for ins in instructions
-    }
+    ops = {}
+    for ins in instructions:
+        visible = ins.opname not in gil.LOCAL_OPCODES and (_READ_OPCODES.get(ins.opname), str(ins.argval)) not in readonly
+        ops[ins.offset] = (ins.opname, ins.argrepr, visible, footprint.token(ins.opname, str(ins.argval), ins.argrepr) if visible else None)
     unchecked: set[int] = set()
     sites: dict[int, tuple[tuple[tuple[str, str], ...], str]] = {}
     for j, ins in enumerate(instructions):
         if ins.opname == "PRECALL":
             callee = _callee_load(instructions, j, ins.arg or 0)
+            if callee is not None and callee.opname == "LOAD_GLOBAL" and str(callee.argval) in footprint.PURE_CALLS \
+                    and ("global", str(callee.argval)) in readonly:
+                call = next((i for i in instructions[j + 1:j + 3] if i.opname == "CALL"), None)
+                if call is not None:  # range(3), isinstance(x, T): nothing shared is read or written
+                    ops[call.offset] = (call.opname, call.argrepr, False, None)
             if callee is not None and gil.unchecked_class_call(callee.argrepr, ins.arg or 0):
                 nxt = next((i for i in instructions[j + 1:] if i.opname == "CALL"), None)
                 if nxt is not None:
@@ -138,6 +141,7 @@ class Tracer:
     """The hooks. Attributes below are owned by runtime.Runtime."""
 
     mode: SwitchMode
+    touched: set[footprint.Token]
     record: bool
     aborted: bool
     silent: bool
@@ -165,9 +169,18 @@ class Tracer:
         record = self.record
         explorer_prefix = EXPLORER_DIR + os.sep
 
+        touched = self.touched
+        pure = footprint.PURE_BUILTINS
+        wildcard = footprint.WILDCARD
+
         def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "c_call" and task.pending_frame is frame and not gil.c_call_checks(arg):
-                task.pending_frame = None
+            if event == "c_call":
+                if task.pending_frame is frame and not gil.c_call_checks(arg):
+                    task.pending_frame = None
+                if frame.f_code.co_filename in targets and arg not in pure:
+                    tok = footprint.c_call_token(arg)  # a C function may change what it was given
+                    if tok is not None:
+                        touched.add(tok)
 
         def trace_call(frame: Any, event: str, arg: Any) -> Any:
             if self.aborted or self.silent:
@@ -179,6 +192,8 @@ class Tracer:
             if filename.startswith(explorer_prefix):
                 return None  # the model's own code stands in for C (Lock) or is handled by sync_point
             if not traced:  # ... and so does what the model's code calls: find who called
+                if back is not None and back.f_code.co_filename in targets:
+                    touched.add(wildcard)  # untraced Python code called from traced code
                 caller = back
                 while caller is not None:
                     caller_file = caller.f_code.co_filename
@@ -204,7 +219,7 @@ class Tracer:
                     self._no_progress_ops(task, frame)
                 info = self._info(frame.f_code)
                 offset = frame.f_lasti
-                opname, argrepr, visible, writes = info.ops.get(offset, ("?", "", True, True))
+                opname, argrepr, visible, tok = info.ops.get(offset, ("?", "", True, wildcard))
                 if task.pending_frame is frame:
                     task.gil_permitted = True
                     task.pending_frame = None
@@ -222,6 +237,8 @@ class Tracer:
                     site = info.primitive_sites.get(offset)
                     self.choice(task, frame, f"{opname} {argrepr}".strip(), gil_ok,
                                 guard=self._site_guard(frame, site) if site else None)
+                if tok is not None:
+                    touched.add(tok)
                 if opname in gil.CHECK_AFTER:
                     if offset not in info.unchecked_calls:
                         task.pending_frame = frame

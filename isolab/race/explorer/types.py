@@ -33,6 +33,7 @@ class Outcome(StrEnum):
     BLOCKED_OUTSIDE = "blocked_outside"  # a thread blocked in a call the model does not know
     UNSUPPORTED = "unsupported"  # a thread started a thread, or a body is a coroutine
     DIVERGED = "diverged"  # a replay's chooser picked a thread that cannot run
+    REDUNDANT = "redundant"  # cut short: every way on reorders steps an earlier execution ran
 
     @property
     def is_bug(self) -> bool:
@@ -68,6 +69,7 @@ class PendingPoint:
     what: str  # the operation about to run: "STORE_ATTR input_buffer", "s.a.acquire"
     gil_ok: bool  # CPython 3.11 with the GIL could switch here
     current_enabled: bool  # continuing is possible; choosing another thread is a preemption
+    touched: frozenset[tuple[str, str, str]] = frozenset()  # footprint.py tokens since the last choice point
 
     @property
     def default(self) -> int:
@@ -86,7 +88,12 @@ class ChoicePoint:
 
 
 class Chooser(Protocol):
-    def choose(self, point: PendingPoint) -> int: ...
+    def choose(self, point: PendingPoint) -> int:
+        """The thread to run next, one of point.enabled; or REDUNDANT to cut the execution short."""
+        ...
+
+
+REDUNDANT = -1
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,7 @@ class Execution:
     message: str | None
     results: tuple[Any, ...]
     steps: list[Step] = field(default_factory=list)  # only when recorded
-    footprints: list[frozenset[str]] = field(default_factory=list)  # per choice point: what the step touched
+    tail: frozenset[tuple[str, str, str]] = frozenset()  # footprint tokens after the last choice point
     final: str = ""  # the watched shared value at the end (distinct end states)
 
     @property
