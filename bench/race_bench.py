@@ -2,6 +2,8 @@
 and the loopback service. Prints a table and writes bench/results/race.json.
 
     .venv/bin/python bench/race_bench.py [--requests 100000] [--repeat 3]
+    .venv/bin/python bench/race_bench.py --explorer-only   # bench/results/race_explorer.json:
+        the explorer's cost before/after its reductions, and its GIL model beside real threads
 """
 
 from __future__ import annotations
@@ -9,13 +11,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from isolab.race.bench import run_bench
+from isolab.race.bench import run_bench, run_explorer_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "race.json")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--explorer-only", action="store_true", help="only the explorer's cost and GIL-model figures")
     args = parser.parse_args()
-    run_bench(args.requests, args.repeat, args.threads, args.json)
+    results = Path(__file__).parent / "results"
+    if args.explorer_only:
+        run_explorer_bench(args.json or results / "race_explorer.json")
+    else:
+        run_bench(args.requests, args.repeat, args.threads, args.json or results / "race.json")

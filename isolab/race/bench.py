@@ -1,6 +1,8 @@
 """Owns the race lab's benchmarks: QPS of every variant at the same thread count in one run (the
 seed's "locked is ~10x slower" claim), the explorer's executions per second and its time to the
-passcode race, and the loopback service load. Prints a table; writes JSON."""
+passcode race, the loopback service load, and (`explorer_only`) the explorer's cost on the
+workloads before and after its reductions beside the real-thread figures its GIL model is checked
+against. Prints a table; writes JSON."""
 
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+from isolab.race import gil_stress
 from isolab.race.checkers import FIXES, VARIANTS
 from isolab.race.explorer import SwitchMode, bounded_search
+from isolab.race.explorer.api import explore
+from isolab.race.fixtures import SCENARIOS as FIXTURES
 from isolab.race.scenarios import passcode
 from isolab.race.service import loopback_load
 from isolab.race.stress import StressConfig, environment, run_once
+from isolab.race.workloads import SCENARIOS as WORKLOADS
 
 
 def qps_side_by_side(requests: int, repeat: int, threads: int) -> dict[str, dict]:
@@ -53,6 +59,95 @@ def explorer_speed() -> dict[str, dict]:
             "executions_per_second": round(result.executions / seconds, 1),
         }
     return out
+
+
+# Measured at 1e2eacf (before issue 18) with the same workloads, `bounded(2)`, switch=opcode, on
+# this machine: the explorer had no reduction beyond "locals are free". Kept as the "before" row.
+BEFORE_ISSUE_18 = {
+    "workloads:counter_3x3": {"executions": 16_158, "seconds": 24.19},
+    "workloads:bounded_buffer": {"executions": 66_166, "seconds": 165.41},
+    "passcode:buggy (count all)": {"executions": 266, "seconds": 2.17},
+}
+
+
+def explorer_cost(repeat: int = 3) -> dict[str, dict]:
+    """Whole bounded(2) searches of the workloads: all reductions, and sleep sets off."""
+    out: dict[str, dict] = {}
+    for name in ("counter_3x3", "bounded_buffer"):
+        row: dict[str, object] = {"before": BEFORE_ISSUE_18[f"workloads:{name}"]}
+        for label, reduction in (("after", True), ("after, sleep sets off", False)):
+            runs = []
+            for _ in range(repeat if reduction else 1):
+                result = bounded_search(WORKLOADS[name](), bound=2, mode=SwitchMode.OPCODE, reduction=reduction)
+                assert result.failure is None and result.exhausted
+                runs.append(result.seconds)
+            row[label] = {"executions": result.executions, "seconds": round(statistics.median(runs), 2),
+                          "seconds_runs": [round(r, 2) for r in runs]}
+        before, after = row["before"], row["after"]
+        assert isinstance(before, dict) and isinstance(after, dict)
+        row["speedup"] = round(before["seconds"] / after["seconds"], 1)
+        out[f"workloads:{name}"] = row
+    times = []
+    for _ in range(repeat):
+        result = bounded_search(passcode("buggy"), bound=2, mode=SwitchMode.OPCODE, count_all=True)
+        times.append(result.seconds)
+    seconds = statistics.median(times)
+    out["passcode:buggy (count all)"] = {
+        "before": BEFORE_ISSUE_18["passcode:buggy (count all)"],
+        "after": {"executions": result.executions, "seconds": round(seconds, 3),
+                  "executions_per_second": round(result.executions / seconds, 1)},
+    }
+    return out
+
+
+def gil_model_check(runs: int = 3_000) -> dict[str, object]:
+    """The explorer's GIL verdicts beside what real threads do under CPython itself."""
+    report = explore(FIXTURES["stock_oversell"](), SwitchMode.GIL, bound=2)
+    finding = report.finding
+    gadgets = {}
+    for name, (gadget, claimed) in gil_stress.GADGETS.items():
+        real = gil_stress.lost_updates(gadget, iterations=20_000, trials=3, stop_at_first=False)
+        model = bounded_search(gil_stress.gadget_scenario(name), bound=2, mode=SwitchMode.GIL)
+        gadgets[name] = {"model_switches": claimed, "explorer_gil_finds_loss": model.failure is not None,
+                         "real_lost_updates_of_120000": real}
+    return {
+        "stock_oversell": {
+            "explorer_gil": (f"FAILED: {finding.execution.message}; {report.search.executions} executions"
+                             if finding else "holds"),
+            f"real_threads_stock_2_of_{runs}_runs": gil_stress.oversells(runs, stock=2),
+            f"real_threads_stock_1000_of_{runs}_runs": gil_stress.oversells(runs, stock=1000),
+        },
+        "two_lock_deadlock": {
+            "explorer_gil": "holds" if bounded_search(FIXTURES["deadlock"](), 2, SwitchMode.GIL).failure is None
+            else "FAILED",
+            "real_threads_stuck_of_2000_runs_nothing_between": gil_stress.opposite_order_deadlocks(False, 2000, False),
+            "real_threads_stuck_of_2000_runs_loop_between": gil_stress.opposite_order_deadlocks(True, 2000, False),
+        },
+        "gadgets": gadgets,
+    }
+
+
+def run_explorer_bench(json_path: Path | None = None) -> dict:
+    cost = explorer_cost()
+    gil = gil_model_check()
+    print(f"{'explorer workload (bounded 2, opcode)':<40} {'before':>18} {'after':>18} {'sleep sets off':>18}")
+    for name, row in cost.items():
+        cells = [row.get(k) for k in ("before", "after", "after, sleep sets off")]
+        text = [f"{c['executions']:,} / {c['seconds']}s" if c else "-" for c in cells]
+        print(f"{name:<40} {text[0]:>18} {text[1]:>18} {text[2]:>18}")
+    print()
+    print("stock oversell:", gil["stock_oversell"])
+    print("two-lock deadlock:", gil["two_lock_deadlock"])
+    gadget_rows: dict[str, dict] = gil["gadgets"]  # type: ignore[assignment]
+    for name, row in gadget_rows.items():
+        print(f"  {name:<52} model switches: {row['model_switches']!s:<5} real lost updates: "
+              f"{row['real_lost_updates_of_120000']}")
+    payload = {"environment": environment(), "explorer_cost": cost, "gil_model": gil}
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {json_path}")
+    return payload
 
 
 def run_bench(requests: int = 100_000, repeat: int = 3, threads: int = 8, json_path: Path | None = None) -> dict:

@@ -240,3 +240,22 @@ def scenario():
     assert "not traced (add with --trace-module): packaging.version" in capsys.readouterr().out
     assert _explore(target, "--bound", "1", "--trace-module", "packaging.version") == ExitCode.HOLDS
     assert "packaging.version" not in capsys.readouterr().out
+
+
+def test_time_limit_reached_is_inconclusive(capsys) -> None:
+    assert main(["race", "explore", "passcode:lock_local", "--quiet", "--time-limit", "0.000001"]) == \
+        ExitCode.INCONCLUSIVE
+    assert "time limit reached: 1e-06s, 0 executions" in capsys.readouterr().out
+
+
+def test_progress_reports_executions_distinct_states_and_elapsed() -> None:
+    from isolab.race.explorer import search
+    from isolab.race.explorer.strategies import BoundedStrategy
+    from isolab.race.scenarios import passcode
+
+    seen = []
+    result = search(passcode("buggy"), BoundedStrategy(2), count_all=True, on_progress=seen.append,
+                    progress_every=0.0)
+    assert len(seen) >= result.executions - result.failures - 1
+    assert [p.executions for p in seen] == sorted(p.executions for p in seen)
+    assert seen[-1].distinct_states >= 2 and seen[-1].seconds > 0 and sum(seen[-1].per_bound.values()) > 0

@@ -30,6 +30,6 @@ def render(execution: Execution, names: tuple[str, ...], value_label: str = "sha
 
 
 def _why(switch: str) -> str:
-    if switch.endswith("thread done"):
+    if switch.endswith("thread done") or switch.startswith("reached its first"):
         return switch
     return f"{switch}: the baton moves"

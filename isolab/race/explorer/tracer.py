@@ -43,7 +43,7 @@ class CodeInfo:
     3.11 runs without a check, and the loads that fetch a primitive about to be acquired or
     waited on."""
 
-    ops: dict[int, tuple[str, str, bool, footprint.Token | None]]
+    ops: dict[int, tuple[str, str, bool, footprint.Token | None, int]]  # ... and 1/2: check after / if taken
     unchecked_calls: frozenset[int]
     primitive_sites: dict[int, tuple[tuple[tuple[str, str], ...], str]] = field(default_factory=dict)
 
@@ -59,7 +59,9 @@ def code_info(code: Any, readonly: frozenset[tuple[str, str]] = frozenset()) -> 
     ops = {}
     for ins in instructions:
         visible = ins.opname not in gil.LOCAL_OPCODES and (_READ_OPCODES.get(ins.opname), str(ins.argval)) not in readonly
-        ops[ins.offset] = (ins.opname, ins.argrepr, visible, footprint.token(ins.opname, str(ins.argval), ins.argrepr) if visible else None)
+        after = 1 if ins.opname in gil.CHECK_AFTER else 2 if ins.opname in gil.CHECK_AFTER_IF_TAKEN else 0
+        ops[ins.offset] = (ins.opname, ins.argrepr, visible,
+                           footprint.token(ins.opname, str(ins.argval), ins.argrepr) if visible else None, after)
     unchecked: set[int] = set()
     sites: dict[int, tuple[tuple[tuple[str, str], ...], str]] = {}
     for j, ins in enumerate(instructions):
@@ -69,7 +71,7 @@ def code_info(code: Any, readonly: frozenset[tuple[str, str]] = frozenset()) -> 
                     and ("global", str(callee.argval)) in readonly:
                 call = next((i for i in instructions[j + 1:j + 3] if i.opname == "CALL"), None)
                 if call is not None:  # range(3), isinstance(x, T): nothing shared is read or written
-                    ops[call.offset] = (call.opname, call.argrepr, False, None)
+                    ops[call.offset] = (call.opname, call.argrepr, False, None, ops[call.offset][4])
             if callee is not None and gil.unchecked_class_call(callee.argrepr, ins.arg or 0):
                 nxt = next((i for i in instructions[j + 1:] if i.opname == "CALL"), None)
                 if nxt is not None:
@@ -92,6 +94,8 @@ def code_info(code: Any, readonly: frozenset[tuple[str, str]] = frozenset()) -> 
             site_offsets += [i.offset for i in instructions[j + 1:j + 3] if i.opname in ("PRECALL", "CALL")]
         for offset in site_offsets:
             sites[offset] = (chain, op)
+    for offset in unchecked:  # type(x) & co.: CALL without its eval-breaker check
+        ops[offset] = ops[offset][:4] + (0,)
     return CodeInfo(ops, frozenset(unchecked), sites)
 
 
@@ -210,16 +214,20 @@ class Tracer:
             frame.f_trace_opcodes = True
             return trace_local
 
+        cache = self._info_cache
+        max_ops = self.max_ops
+
         def trace_local(frame: Any, event: str, arg: Any) -> Any:
-            if self.aborted:
-                raise Abort
             if event == "opcode":
+                if self.aborted:
+                    raise Abort
                 self.num_ops += 1
-                if self.num_ops > self.max_ops:
+                if self.num_ops > max_ops:
                     self._no_progress_ops(task, frame)
-                info = self._info(frame.f_code)
+                code = frame.f_code
+                info = cache.get(code) or self._info(code)
                 offset = frame.f_lasti
-                opname, argrepr, visible, tok = info.ops.get(offset, ("?", "", True, wildcard))
+                opname, argrepr, visible, tok, after = info.ops.get(offset) or ("?", "", True, wildcard, 0)
                 if task.pending_frame is frame:
                     task.gil_permitted = True
                     task.pending_frame = None
@@ -231,20 +239,23 @@ class Tracer:
                     task.permitted = True
                 elif gil_mode:
                     task.permitted = task.gil_permitted
-                if visible and task.permitted:
-                    gil_ok = task.gil_permitted
-                    task.permitted = task.gil_permitted = False
-                    site = info.primitive_sites.get(offset)
-                    self.choice(task, frame, f"{opname} {argrepr}".strip(), gil_ok,
-                                guard=self._site_guard(frame, site) if site else None)
-                if tok is not None:
-                    touched.add(tok)
-                if opname in gil.CHECK_AFTER:
-                    if offset not in info.unchecked_calls:
+                if visible:
+                    if task.permitted:
+                        gil_ok = task.gil_permitted
+                        task.permitted = task.gil_permitted = False
+                        site = info.primitive_sites.get(offset)
+                        self.choice(task, frame, f"{opname} {argrepr}".strip(), gil_ok,
+                                    guard=self._site_guard(frame, site) if site else None)
+                    if tok is not None:
+                        touched.add(tok)
+                if after:
+                    if after == 1:
                         task.pending_frame = frame
-                elif opname in gil.CHECK_AFTER_IF_TAKEN:
-                    task.jump_frame, task.jump_offset = frame, offset
+                    else:
+                        task.jump_frame, task.jump_offset = frame, offset
                 return trace_local
+            if self.aborted:
+                raise Abort
             if event == "line":
                 if line_mode:
                     task.permitted = True
