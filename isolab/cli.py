@@ -24,7 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "isolab.commands.probe",
     "isolab.commands.doctor",
     "isolab.commands.lifecycle",
-    "isolab.race.cli",
+    "isolab.commands.race",
 )
 
 

@@ -7,7 +7,8 @@ their false accepts, the deterministic interleaving explorer, and the passcode H
     scenarios.py    passcode:<variant> scenarios;  fixtures.py: the known-buggy fixtures
     service.py      `isolab passcode serve` and the loopback load test
     bench.py        QPS side by side, explorer executions/s
-    cli.py          `isolab race stress|explore|bench`, `isolab passcode serve`
+    explorer_cli.py what `isolab race explore` prints (the command itself: isolab/commands/race.py)
+    gil_stress.py   real threads around the GIL model's switch points;  workloads.py: explorer cost
 """
 
 from isolab.race.checkers import FIXES, MUTANT_OF, VARIANTS, Variant

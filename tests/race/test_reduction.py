@@ -123,3 +123,26 @@ def test_the_race_path_imports_no_torch() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "1 []"
+
+
+def test_every_explorer_module_imports_alone_without_a_cycle() -> None:
+    """Each module of the explorer and the race command, imported first in a fresh interpreter
+    (with a bare parent package, so the engine is not loaded), must import on its own."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    modules = sorted(f"isolab.race.explorer.{p.stem}" for p in (root / "isolab/race/explorer").glob("*.py")
+                     if p.stem != "__init__") + ["isolab.race.explorer", "isolab.commands.race"]
+    code = textwrap.dedent(f"""
+        import importlib, sys, types
+        for name in {modules!r}:
+            for loaded in [m for m in sys.modules if m == "isolab" or m.startswith("isolab.")]:
+                del sys.modules[loaded]
+            pkg = types.ModuleType("isolab"); pkg.__path__ = [{str(root / "isolab")!r}]
+            sys.modules["isolab"] = pkg
+            importlib.import_module(name)
+        print("ok", len({modules!r}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", str(len(modules))]

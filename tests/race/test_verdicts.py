@@ -245,7 +245,7 @@ def scenario():
 def test_time_limit_reached_is_inconclusive(capsys) -> None:
     assert main(["race", "explore", "passcode:lock_local", "--quiet", "--time-limit", "0.000001"]) == \
         ExitCode.INCONCLUSIVE
-    assert "time limit reached: 1e-06s, 0 executions" in capsys.readouterr().out
+    assert "time limit reached: 1e-06s" in capsys.readouterr().out
 
 
 def test_progress_reports_executions_distinct_states_and_elapsed() -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from isolab.race.explorer import footprint, gil
+from isolab.race.explorer.primitives import Primitive
 from isolab.race.explorer.types import EXPLORER_DIR, Abort, Outcome, Step, SwitchMode, short_path
 
 if TYPE_CHECKING:
@@ -268,8 +269,6 @@ class Tracer:
         return trace_call, profile
 
     def _site_guard(self, frame: Any, site: tuple[tuple[tuple[str, str], ...], str]) -> Any:
-        from isolab.race.explorer.primitives import Primitive
-
         chain, op = site
         primitive = resolve_chain(frame, chain)
         if not isinstance(primitive, Primitive):
