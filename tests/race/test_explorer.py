@@ -148,3 +148,13 @@ def test_real_primitives_are_restored_after_exploring() -> None:
     bounded_search(FIXTURES["deadlock"](), bound=1)
     assert threading.Lock is real_lock and threading.Event is real_event
     assert type(threading.Lock()).__name__ == "lock"
+
+
+def test_a_pct_finding_is_shrunk_to_the_fewest_preemptions() -> None:
+    from isolab.race.explorer.search import search
+    from isolab.race.explorer.strategies import PCTStrategy
+
+    found = search(passcode("buggy"), PCTStrategy(2, seed=0, depth=3, runs=200), SwitchMode.OPCODE)
+    assert found.failure is not None and found.failure.preemptions == 2  # delta debugging keeps both
+    report = explore(passcode("buggy"), SwitchMode.OPCODE, strategy="pct", seed=0, depth=3, runs=200)
+    assert report.finding is not None and report.finding.execution.preemptions == 1

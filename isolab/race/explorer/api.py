@@ -65,6 +65,13 @@ def explore(
     failing = result.failure
     before = len(decisions_of(failing))
     spent = 0
+    if do_shrink and strategy != "bounded" and failing.preemptions > 1:
+        # PCT's schedule may preempt more than it needs: look for the fewest preemptions first
+        fewer = bounded_search(scenario, failing.preemptions - 1, mode,
+                               limits=SearchLimits(max_executions=min(limits.max_executions, 5_000), run=limits.run))
+        spent += fewer.executions
+        if fewer.failure is not None:
+            failing = fewer.failure
     if do_shrink:
         failing, spent = shrink(scenario, failing, mode, limits.run)
         if not failing.gil_reachable and mode is not SwitchMode.GIL:
