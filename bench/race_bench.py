@@ -4,6 +4,7 @@ and the loopback service. Prints a table and writes bench/results/race.json.
     .venv/bin/python bench/race_bench.py [--requests 100000] [--repeat 3]
     .venv/bin/python bench/race_bench.py --explorer-only   # bench/results/race_explorer.json:
         the explorer's cost before/after its reductions, and its GIL model beside real threads
+    .venv/bin/python bench/race_bench.py --frontrun   # bench/results/race_frontrun.json (needs frontrun)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from isolab.race.bench import run_bench, run_explorer_bench
+from isolab.race.bench import frontrun_comparison, run_bench, run_explorer_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -20,9 +21,13 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--explorer-only", action="store_true", help="only the explorer's cost and GIL-model figures")
+    parser.add_argument("--frontrun", action="store_true",
+                        help="the explorer beside frontrun (pip install frontrun into .venv; not a dependency)")
     args = parser.parse_args()
     results = Path(__file__).parent / "results"
-    if args.explorer_only:
+    if args.frontrun:
+        frontrun_comparison(args.json or results / "race_frontrun.json")
+    elif args.explorer_only:
         run_explorer_bench(args.json or results / "race_explorer.json")
     else:
         run_bench(args.requests, args.repeat, args.threads, args.json or results / "race.json")

@@ -10,7 +10,10 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from isolab.race import gil_stress
 from isolab.race.checkers import FIXES, VARIANTS
@@ -175,3 +178,107 @@ def run_bench(requests: int = 100_000, repeat: int = 3, threads: int = 8, json_p
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"\nwrote {json_path}")
     return payload
+
+
+# --- against frontrun (PyPI, optional: not a dependency; `pip install frontrun` into .venv) -----
+def _frontrun_run(scenario_factory: Callable[[], Any], timeout: float) -> dict[str, object]:
+    """One frontrun DPOR search (its defaults: preemption bound 2) of one of our scenarios: the
+    workers store their results beside the state so our check(state, results) is the invariant."""
+    import frontrun  # noqa: PLC0415  (optional)
+
+    scenario = scenario_factory()
+    n = len(scenario.threads)
+
+    def setup() -> SimpleNamespace:
+        return SimpleNamespace(inner=scenario.setup(), results=[None] * n)
+
+    def worker(i: int) -> Callable[[SimpleNamespace], None]:
+        def run(w: SimpleNamespace) -> None:
+            w.results[i] = scenario.threads[i](w.inner)
+        return run
+
+    def invariant(w: SimpleNamespace) -> bool:
+        return scenario.check(w.inner, tuple(w.results)) is None
+
+    start = time.perf_counter()
+    try:
+        result = frontrun.explore(setup=setup, workers=[worker(i) for i in range(n)], invariant=invariant,
+                                  total_timeout=timeout, deadlock_timeout=2.0, reproduce_on_failure=10)
+    except Exception as exc:  # a deadlock or a crash in frontrun is a finding about frontrun
+        return {"verdict": f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
+                "seconds": round(time.perf_counter() - start, 2)}
+    seconds = time.perf_counter() - start
+    holds = result.property_holds
+    return {
+        "verdict": "holds" if holds else "FAILED" if holds is False else f"inconclusive ({result.inconclusive_reason})",
+        "executions": result.num_explored,
+        "seconds": round(seconds, 2),
+        "replay": (f"{result.reproduction_successes} of {result.reproduction_attempts}"
+                   if result.reproduction_attempts else "-"),
+    }
+
+
+def _ours(scenario_factory: Callable[[], Any], mode: SwitchMode, tmp: Path) -> dict[str, object]:
+    from isolab.race.explorer.schedule import replay, save
+
+    start = time.perf_counter()
+    report = explore(scenario_factory(), mode, bound=2)
+    seconds = time.perf_counter() - start
+    row: dict[str, object] = {"verdict": report.verdict.value if report.finding is None else "FAILED",
+                              "executions": report.search.executions, "seconds": round(seconds, 2)}
+    if report.finding is not None:
+        path = tmp / "schedule.txt"
+        save(path, report.finding.schedule)
+        from isolab.race.explorer.schedule import load as load_schedule
+
+        again = replay(scenario_factory(), load_schedule(path), times=10)
+        row["replay"] = f"{again.reproduced} of {again.runs}"
+        row["label"] = "reachable with the GIL" if report.finding.gil_reachable else "free-threaded only"
+    return row
+
+
+def frontrun_comparison(json_path: Path | None = None, timeout: float = 120.0) -> dict:
+    import tempfile
+
+    import frontrun  # noqa: F401, PLC0415  (fails early with ImportError when not installed)
+
+    targets: dict[str, Callable[[], Any]] = {
+        "passcode:buggy": lambda: passcode("buggy"),
+        "passcode:lock_local": lambda: passcode("lock_local"),
+        **{f"fixtures:{n}": FIXTURES[n] for n in ("lost_update", "deadlock", "check_then_act", "lost_wakeup",
+                                                  "stock_oversell", "stock_oversell_fixed")},
+        **{f"workloads:{n}": WORKLOADS[n] for n in WORKLOADS},
+        "frontrun README: Counter.increment x2": _frontrun_counter,
+    }
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, factory in targets.items():
+            row = {"isolab (opcode)": _ours(factory, SwitchMode.OPCODE, Path(tmp)),
+                   "isolab (gil)": _ours(factory, SwitchMode.GIL, Path(tmp)),
+                   "frontrun 0.7.0 (dpor)": _frontrun_run(factory, timeout)}
+            out[name] = row
+            print(name, json.dumps(row), flush=True)
+    payload = {"environment": environment(), "frontrun": out}
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {json_path}")
+    return payload
+
+
+class _FrontrunCounter:
+    """frontrun's own README example: `self.value = self.value + 1` from two threads."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def increment(self) -> None:
+        temp = self.value
+        self.value = temp + 1
+
+
+def _frontrun_counter() -> Any:
+    from isolab.race.explorer.scenario import Scenario
+
+    return Scenario("frontrun:counter", _FrontrunCounter, (_FrontrunCounter.increment, _FrontrunCounter.increment),
+                    lambda c, r: None if c.value == 2 else f"lost update: {c.value}")
