@@ -321,8 +321,9 @@ class Runtime(Tracer):
                 spinner = max(self.tasks, key=lambda t: t.arrivals)
                 self._end(Outcome.NO_PROGRESS,
                           f"{spinner.name} makes no progress: {self.limits.max_points:,} choice points in one "
-                          f"execution, the last at {location} (a spin-wait needs a fair scheduler, which the "
-                          "explorer does not assume; wait on an Event or Condition instead)")
+                          f"execution, the last at {location} (a loop that never ends, or a spin-wait: that "
+                          "needs a fair scheduler, which the explorer does not assume; wait on an Event or "
+                          "Condition instead)")
                 raise Abort
             point = PendingPoint(len(self.points), current, tuple(enabled), location, occurrence, what, gil_ok,
                                  current_enabled, frozenset(self.touched))
