@@ -67,6 +67,7 @@ def switch_interval(seconds: float) -> Iterator[None]:
 def lost_updates(gadget: str, iterations: int = 20_000, trials: int = 3, stop_at_first: bool = True) -> int:
     """Updates lost by two real threads running the gadget body `iterations` times each."""
     body = _compile(gadget, "gadget")
+    body(SimpleNamespace(x=0), 64)  # warm up: the model follows specialised (warmed-up) bytecode
     lost = 0
     with switch_interval(1e-6):
         for _ in range(trials):
@@ -139,7 +140,7 @@ def opposite_order_deadlocks(loop_between: bool, runs: int = 2_000, stop_at_firs
                 barrier.wait()
                 with s.a:
                     if loop_between:
-                        for _ in range(200):
+                        for _ in range(2_000):
                             pass
                     if s.b.acquire(True, 0.05):  # the call's check comes after it returns
                         s.b.release()
@@ -150,7 +151,7 @@ def opposite_order_deadlocks(loop_between: bool, runs: int = 2_000, stop_at_firs
                 barrier.wait()
                 with s.b:
                     if loop_between:
-                        for _ in range(200):
+                        for _ in range(2_000):
                             pass
                     if s.a.acquire(True, 0.05):
                         s.a.release()
