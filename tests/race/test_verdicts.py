@@ -78,9 +78,9 @@ def test_class_level_lock_deadlock_is_found_not_a_hang(tmp_path: Path, capsys) -
 
 
 def test_without_swapping_a_class_level_lock_blocks_outside_the_model(tmp_path: Path, monkeypatch, capsys) -> None:
-    from isolab.race.explorer import primitives
+    from isolab.race.explorer import patch
 
-    monkeypatch.setattr(primitives, "_swaps", lambda rt, modules, fakes: [])  # the protection off
+    monkeypatch.setattr(patch, "_swaps", lambda rt, modules, fakes: [])  # the protection off
     source = CLASS_LOCK.replace("v = self.value", "v = self.value\n            print(end='')")
     assert _explore(_target(tmp_path, source), "--stall-seconds", "0.5") == ExitCode.INCONCLUSIVE
     out = capsys.readouterr().out

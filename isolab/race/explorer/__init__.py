@@ -5,6 +5,9 @@ under a controlled scheduler, searches schedules, and saves/replays the losing o
     gil.py         the CPython 3.11 model: local opcodes, GIL switch points, supported versions
     scenario.py    Scenario (setup, threads, check), what is traced, and TARGET strings
     primitives.py  Lock, RLock, Condition, Event, Semaphore (and so queue.Queue) on one base
+    patch.py       puts the models in place for one execution (and swaps pre-made primitives)
+    footprint.py   what a step touches; when two steps commute (for sleep sets)
+    names.py       objects named by the attribute that holds them; where a stuck thread stands
     tracer.py      settrace/setprofile hooks: bytecode -> choice points; the narrative
     runtime.py     one execution: real threads, a baton, the watchdog, stable object names
     strategies.py  bounded (iterative preemption bounding), PCT, lax replay

@@ -3,8 +3,8 @@ narrative step, and the two small interfaces the parts talk through (`Chooser`, 
 
 It imports nothing from the rest of the explorer, so every other module can import it:
 
-    types  <-  gil, scenario  <-  primitives, tracer  <-  runtime  <-  strategies, search,
-    shrink, schedule  <-  api  <-  (isolab.race.explorer_cli)
+    types  <-  gil, footprint, scenario  <-  primitives  <-  patch, names, tracer  <-  runtime
+    <-  strategies, search, shrink, schedule  <-  api  <-  (isolab.race.explorer_cli)
 """
 
 from __future__ import annotations
