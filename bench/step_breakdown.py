@@ -2,7 +2,8 @@
 figure got to 2x"), on the real model:
 
   gemm        the 30 layers' four GEMMs plus the LM head at M = 32 (and 512, for GFLOP/s),
-              prepacked oneDNN weights (`Weight`) against F.linear on the same weights, warm
+              the engine's GEMM path (isolab's own GEMM, models/linear.py) against F.linear on
+              the same weights, warm
   native      one engine step (all 32 requests decoding) on the native path, split into GEMMs,
               paged attention, the fused row ops and the rest
   torch       the same step on the torch path (attention = gather + attention_core)
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import isolab.kernels as kernels  # noqa: E402
 import isolab.models.llama as llama  # noqa: E402
+from isolab.models.linear import Weight  # noqa: E402
 from isolab.bench.workload import WorkloadSpec, make_workload  # noqa: E402
 from isolab.config import EngineConfig  # noqa: E402
 from isolab.engine.llm_engine import LLMEngine  # noqa: E402
@@ -49,7 +51,7 @@ def gemm_step_ms(dtype: torch.dtype, repeats: int, rows: int = 32) -> dict[str, 
         flop += 2.0 * rows * n * k * times
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
-        packed = llama.Weight(w)
+        packed = Weight(w, "isolab")
         for name, fn in (("packed", lambda: packed(x)), ("F.linear", lambda: F.linear(x, w))):
             fn()
             samples = []
@@ -90,7 +92,7 @@ def step_ms(dtype: str, native: bool, repeats: int) -> dict[str, float]:
         patched.append((obj, name, fn))
         setattr(obj, name, timed)
 
-    wrap(llama.Weight, "_apply", "gemm")
+    wrap(Weight, "__call__", "gemm")
     wrap(PagedAttention, "attend", "attention")
     for name in ("rms_norm", "add_rms_norm_", "silu_mul", "rope_"):
         wrap(kernels, name, "row_ops")
@@ -122,8 +124,8 @@ def main() -> None:
               "native_step_ms": step_ms(a.dtype, True, a.repeats), "torch_step_ms": step_ms(a.dtype, False, a.repeats)}
     g = result["gemm_ms_per_step"]
     g512 = result["gemm_512_rows"]
-    print(f"GEMMs of one step at M = 32 ({a.dtype}, warm): packed {g['packed']:.1f} ms ({g['packed_gflops']:.0f} GFLOP/s), "
-          f"F.linear {g['F.linear']:.1f} ms; at M = 512: packed {g512['packed_gflops']:.0f} GFLOP/s")
+    print(f"GEMMs of one step at M = 32 ({a.dtype}, warm): isolab {g['packed']:.1f} ms ({g['packed_gflops']:.0f} GFLOP/s), "
+          f"F.linear {g['F.linear']:.1f} ms; at M = 512: isolab {g512['packed_gflops']:.0f} GFLOP/s")
     for path in ("native", "torch"):
         s = result[f"{path}_step_ms"]
         print(f"{path:6} step: execute {s['execute']:.1f} ms = GEMMs {s['gemm']:.1f} + attention {s['attention']:.1f} "

@@ -135,26 +135,19 @@ class ModelRunner:
         return ForwardResult(logits, tuple(sample_idx))
 
     def _torch_groups(self, out: SchedulerOutput, tables: list[list[int]]) -> list[AttentionGroup]:
-        """All single-token chunks (decode) attend together; each multi-token chunk alone."""
+        """One group per chunk, decode rows included: a chunk attends over its own blocks alone, at
+        a key count fixed by its own table. Batching decode rows into one bmm over padded tables
+        let a row's bits depend on the others' lengths on some CPUs (oneDNN on AMX: 1 request in
+        54 of the mixed workload in tests/engine/test_guarantee.py), so the torch path does not."""
         dev = self.device
         groups: list[AttentionGroup] = []
-        decode: list[tuple[int, int, list[int]]] = []  # (row, position, block table)
         row0 = 0
         for ch, table in zip(out.chunks, tables, strict=True):
             T = ch.num_new_tokens
-            if T == 1:
-                decode.append((row0, ch.start, table))
-            else:
-                groups.append(self._group(
-                    torch.arange(row0, row0 + T, device=dev).view(1, T),
-                    torch.arange(ch.start, ch.start + T, device=dev).view(1, T),
-                    [table],
-                ))
-            row0 += T
-        if decode:
             groups.append(self._group(
-                torch.tensor([r for r, _, _ in decode], device=dev).view(-1, 1),
-                torch.tensor([p for _, p, _ in decode], device=dev).view(-1, 1),
-                [t for _, _, t in decode],
+                torch.arange(row0, row0 + T, device=dev).view(1, T),
+                torch.arange(ch.start, ch.start + T, device=dev).view(1, T),
+                [table],
             ))
+            row0 += T
         return groups

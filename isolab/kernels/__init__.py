@@ -9,14 +9,16 @@ threads (the .so links the libgomp that torch has already loaded). Where they ca
 runs its torch path (`LlamaModel.forward`'s torch ops and `attention_core`); `ISOLAB_NATIVE=0`
 forces that path.
 
-ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512` builds
-for a lower level instead (x86-64, x86-64-v3, x86-64-v4), so tests can run every code path this
-CPU can execute. A level the CPU lacks is refused with a sentence.
+ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512|amx`
+builds for a lower level instead (x86-64, x86-64-v3, x86-64-v4, x86-64-v4 with AMX tiles), so
+tests can run every code path this CPU can execute. A level the CPU lacks is refused with a
+sentence.
 
 Every kernel computes each output element in an order fixed by that element's row alone, which is
 what makes the engine's results independent of the batch in fp32 as well as bf16. The GEMM goes
 further: its per-element fma chain is the same on every ISA level, so its bits are the same on
-every x86 CPU (gemm.cpp).
+every x86 CPU without AMX (gemm.cpp); where AMX runs, bf16 GEMMs take the tile unit at every M,
+another fixed chain with its own bits.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "po
 HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
-ISA_LEVELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "generic": ("-march=x86-64", ()),
-    "avx2": ("-march=x86-64-v3", ("avx2", "fma", "f16c", "bmi2")),
-    "avx512": ("-march=x86-64-v4", ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
-    "native": ("-march=native", ()),
+ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "generic": (("-march=x86-64",), ()),
+    "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi2")),
+    "avx512": (("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
+    "amx": (("-march=x86-64-v4", "-mamx-tile", "-mamx-bf16"), ("avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                                              "amx_tile", "amx_bf16")),
+    "native": (("-march=native",), ()),
 }
 GEMM_PAD_N = 32  # packed weights have N padded to this (the widest tile of any ISA level)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
@@ -143,7 +147,8 @@ def attention_bf16_dot() -> bool:
 
 
 def gemm_isa() -> str:
-    """Which code path the GEMM was compiled to: avx512, avx2 or generic."""
+    """Which code path the bf16 GEMM runs: amx (the tile unit, for K % 32 == 0), avx512, avx2 or
+    generic (fp32, and bf16 on other K, take the fma chain of the level the build targets)."""
     lib = _library()
     assert lib is not None
     return lib.isolab_gemm_isa().decode()
@@ -164,7 +169,7 @@ def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "nat
     found = shutil.which(cxx or os.environ.get("CXX", "g++"))
     if found is None or platform.system() != "Linux":
         raise BuildError(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on {platform.system()}")
-    flags = (*FLAGS, ISA_LEVELS[isa][0])
+    flags = (*FLAGS, *ISA_LEVELS[isa][0])
     src = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]

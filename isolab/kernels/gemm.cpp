@@ -32,6 +32,7 @@ constexpr int VW = 16;  // floats per vector
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+static inline vf bcast(const float* p) { return (vf)_mm512_set1_ps(*p); }
 constexpr int MR = 8;   // rows per tile
 constexpr int NV = 2;   // vectors per tile row: 32 columns, two panels
 const char* ISA = "avx512";
@@ -40,6 +41,7 @@ constexpr int VW = 8;
 typedef float vf __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
 static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+static inline vf bcast(const float* p) { return (vf)_mm256_broadcast_ss(p); }
 constexpr int MR = 6;
 constexpr int NV = 2;   // 16 columns, one panel
 const char* ISA = "avx2";
@@ -50,6 +52,11 @@ typedef uint32_t vu __attribute__((vector_size(16)));
 static inline vf vfma(vf a, vf b, vf c) {
     vf r;
     for (int l = 0; l < VW; l++) r[l] = std::fma(a[l], b[l], c[l]);
+    return r;
+}
+static inline vf bcast(const float* p) {
+    vf r;
+    for (int l = 0; l < VW; l++) r[l] = *p;
     return r;
 }
 constexpr int MR = 4;
@@ -75,21 +82,13 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN sta
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline vf load_vf(const float* p) {
-    vf x;
-    std::memcpy(&x, p, sizeof(vf));
-    return x;
-}
-static inline vu load_vu(const uint16_t* p) {
-    vu x;
-    std::memcpy(&x, p, sizeof(vu));
-    return x;
-}
-static inline vf as_vf(vu u) {
-    vf x;
-    std::memcpy(&x, &u, sizeof(vf));
-    return x;
-}
+// unaligned, aliasing views for loads and stores (memcpy here makes GCC spill the accumulators)
+typedef float vf_u __attribute__((vector_size(sizeof(vf)), aligned(4), may_alias));
+typedef uint32_t vu_u __attribute__((vector_size(sizeof(vu)), aligned(2), may_alias));
+static inline vf load_vf(const float* p) { return *(const vf_u*)p; }
+static inline vu load_vu(const uint16_t* p) { return *(const vu_u*)p; }
+static inline void store_vf(float* p, vf x) { *(vf_u*)p = x; }
+static inline vf as_vf(vu u) { return (vf)u; }
 
 // Weight columns j*VW .. j*VW+VW-1 of a tile starting at column n0 (a multiple of TILE_N):
 // the panel and the offset inside it.
@@ -98,50 +97,61 @@ static inline int offset_of(int n0, int j) { return (n0 + j * VW) % PANEL; }
 
 // One tile: rows m0..m0+R-1 (R <= MR) of the fp32 A block, columns n0..n0+TILE_N-1, all of K.
 template <int R>
-static inline void tile(const float* a, long lda, const float* w, int K, int n0, float* acc_out) {
+__attribute__((noinline)) static void tile(const float* a, long lda, const float* w, int K, int n0, float* acc_out) {
     vf acc[R][NV];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; j++) acc[r][j] = vf{};
     const float* wp[NV];
+    #pragma GCC unroll 16
     for (int j = 0; j < NV; j++) wp[j] = w + panel_of(n0, j) * (long)K * PANEL + offset_of(n0, j);
+#pragma GCC unroll 2
     for (int k = 0; k < K; k++) {
         vf wv[NV];
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; j++) wv[j] = load_vf(wp[j] + (long)k * PANEL);
+        #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const vf av = vf{} + a[r * lda + k];
+            const vf av = bcast(a + r * lda + k);
+            #pragma GCC unroll 16
             for (int j = 0; j < NV; j++) acc[r][j] = vfma(av, wv[j], acc[r][j]);
         }
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < NV; j++) std::memcpy(acc_out + r * TILE_N + j * VW, &acc[r][j], sizeof(vf));
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; j++) store_vf(acc_out + r * TILE_N + j * VW, acc[r][j]);
 }
 
 template <int R>
-static inline void tile(const float* a, long lda, const uint16_t* w, int K, int n0, float* acc_out) {
+__attribute__((noinline)) static void tile(const float* a, long lda, const uint16_t* w, int K, int n0, float* acc_out) {
     vf acc[R][NV];
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; j++) acc[r][j] = vf{};
     const uint16_t* wp[NV];
+    #pragma GCC unroll 16
     for (int j = 0; j < NV; j++) wp[j] = w + panel_of(n0, j) * (long)K * PANEL + offset_of(n0, j) * 2;
     const vu hi_mask = vu{} + 0xffff0000u;
     for (int k = 0; k < K; k += 2) {
-        vf w0[NV], w1[NV];  // columns' weights at k and k + 1
+        // column vector j at k, then at k + 1: few registers live besides the accumulators
+        #pragma GCC unroll 16
         for (int j = 0; j < NV; j++) {
             const vu u = load_vu(wp[j] + (long)k * PANEL);
-            w0[j] = as_vf(u << 16);
-            w1[j] = as_vf(u & hi_mask);
-        }
-        for (int r = 0; r < R; r++) {
-            const vf a0 = vf{} + a[r * lda + k];
-            for (int j = 0; j < NV; j++) acc[r][j] = vfma(a0, w0[j], acc[r][j]);
-        }
-        for (int r = 0; r < R; r++) {
-            const vf a1 = vf{} + a[r * lda + k + 1];
-            for (int j = 0; j < NV; j++) acc[r][j] = vfma(a1, w1[j], acc[r][j]);
+            const vf w0 = as_vf(u << 16);
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; r++) acc[r][j] = vfma(bcast(a + r * lda + k), w0, acc[r][j]);
+            const vf w1 = as_vf(u & hi_mask);
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; r++) acc[r][j] = vfma(bcast(a + r * lda + k + 1), w1, acc[r][j]);
         }
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < NV; j++) std::memcpy(acc_out + r * TILE_N + j * VW, &acc[r][j], sizeof(vf));
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; j++) store_vf(acc_out + r * TILE_N + j * VW, acc[r][j]);
 }
 
 // tile<rows> for 1 <= rows <= MR
@@ -152,6 +162,23 @@ static inline void run_tile(int rows, const float* a, long lda, const W* w, int 
             tile<R>(a, lda, w, K, n0, acc);
         else
             run_tile<R - 1>(rows, a, lda, w, K, n0, acc);
+    }
+}
+
+// bf16 panels of one tile (columns n0..n0+TILE_N-1) -> the same panels in fp32 (exact), so the
+// fp32 tile can run on them: for a block of many rows this costs one pass over the tile's weights
+// and keeps every accumulator in a register.
+static void widen_tile(const uint16_t* w, int K, int n0, float* out) {
+    const vu hi = vu{} + 0xffff0000u;
+    for (int p = 0; p < TILE_N / PANEL; p++) {
+        const uint16_t* src = w + (long)(n0 / PANEL + p) * K * PANEL;
+        float* dst = out + (long)p * K * PANEL;
+        for (int k = 0; k < K; k += 2)
+            for (int c = 0; c < PANEL; c += VW) {
+                const vu u = load_vu(src + (long)k * PANEL + c * 2);  // columns c..c+VW-1, k and k+1
+                store_vf(dst + (long)k * PANEL + c, as_vf(u << 16));
+                store_vf(dst + (long)(k + 1) * PANEL + c, as_vf(u & hi));
+            }
     }
 }
 
@@ -166,6 +193,131 @@ static inline void store_out(O* out, long ldo, const float* acc, int rows, int n
                 out[r * ldo + n0 + c] = v;
         }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- AMX (bf16 only): the tile unit's dot products, one fixed order per output element ----------
+//
+// Batch invariance by construction, as above, with another (equally fixed) chain: an output
+// element is C[m][n] = 0, then one TDPBF16PS per 32-wide chunk of k, chunks in order
+// kc = 0, 32, 64, ...; each instruction adds that chunk's 32 products of row m and column n in the
+// order the hardware fixes (bf16 inputs, fp32 accumulate, denormals flushed). Row m's result reads
+// only row m of A: the other 15 rows of an A tile (other requests, or zero padding) never enter it,
+// so a row gets the same bits for every M. Every M takes this path on a CPU where it runs (the
+// chunk order is the same at M = 1 and M = 512), so the AVX-512 chain above is never mixed in.
+// Its bits differ from the fma chain's (another summation order), which is why the ISA level is
+// part of the invariance check's key. Needs K % 32 == 0; other shapes keep the fma chain at every M.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Linux hands the AMX tile state to a process only on request (arch_prctl, Linux 5.16+).
+static bool amx_ready() {
+    static const bool ok = [] {
+        constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
+        unsigned long mask = 0;
+        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return false;
+        return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
+    }();
+    return ok;
+}
+
+// tmm0-3: C (16 rows x 16 fp32); tmm4-5: A (16 rows x 32 bf16); tmm6-7: B (16 k-pairs x 16 columns x 2)
+static void amx_configure() {
+    TileConfig c{};
+    c.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// Rows 0..16*RB-1 of a (row stride lda elements) times panels p0, p0 + 1 of W (32 columns), all of
+// K, into c (16*RB rows x 32 fp32). A bf16 panel (K/2, 16, 2) is K/32 B tiles one after another.
+template <int RB>
+static void amx_block(const uint16_t* a, long lda, const uint16_t* w, int K, long p0, float* c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (RB == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t* b0 = w + p0 * (long)K * PANEL;
+    const uint16_t* b1 = b0 + (long)K * PANEL;
+    const long stride = lda * (long)sizeof(uint16_t);
+    for (int kc = 0; kc < K; kc += 32) {
+        _tile_loadd(4, a + kc, stride);
+        _tile_loadd(6, b0 + (long)kc * PANEL, 64);
+        _tile_loadd(7, b1 + (long)kc * PANEL, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (RB == 2) {
+            _tile_loadd(5, a + 16 * lda + kc, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if constexpr (RB == 2) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+
+static void gemm_amx(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
+    constexpr int MB = 32, NB = 32;  // rows and columns per work item
+    const int items_n = (N + NB - 1) / NB;
+    const int blocks_m = (M + MB - 1) / MB;
+    // the last, partial block of rows: a copy padded with zero rows, so every tile load reads 16
+    // whole rows of memory we own (the padding rows' results are computed and dropped)
+    const int m_tail = M / MB * MB;
+    uint16_t* tail = nullptr;
+    if (m_tail < M) {
+        tail = (uint16_t*)std::aligned_alloc(64, sizeof(uint16_t) * (size_t)MB * K);
+        std::memset(tail, 0, sizeof(uint16_t) * (size_t)MB * K);
+        for (int m = m_tail; m < M; m++) std::memcpy(tail + (long)(m - m_tail) * K, A + (long)m * lda, sizeof(uint16_t) * K);
+    }
+#pragma omp parallel
+    {
+        amx_configure();  // tile configuration is per thread
+        alignas(64) float c[MB * NB];
+        // work items: (32 columns, 32 rows), columns outer so a thread reuses one slice of W
+        // across the row blocks it takes; each output element belongs to exactly one item
+#pragma omp for schedule(static) collapse(2)
+        for (int t = 0; t < items_n; t++)
+            for (int b = 0; b < blocks_m; b++) {
+                const int m0 = b * MB;
+                const int rows = M - m0 < MB ? M - m0 : MB;
+                const uint16_t* a = m0 < m_tail ? A + (long)m0 * lda : tail;
+                const long la = m0 < m_tail ? lda : K;
+                if (rows > 16)
+                    amx_block<2>(a, la, W, K, 2L * t, c);
+                else
+                    amx_block<1>(a, la, W, K, 2L * t, c);
+                const int n0 = t * NB;
+                const int cols = N - n0 < NB ? N - n0 : NB;
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < cols; j++) out[(long)(m0 + r) * N + n0 + j] = f32_to_bf16(c[r * NB + j]);
+            }
+        _tile_release();
+    }
+    std::free(tail);
+}
+static bool use_amx(int K) { return K % 32 == 0 && amx_ready(); }
+#else
+static bool use_amx(int) { return false; }
+static void gemm_amx(const uint16_t*, long, const uint16_t*, uint16_t*, int, int, int) {}
+static bool amx_ready() { return false; }
+#endif
 
 // A (M, K) with row stride lda, as T (bf16 bits or fp32); W packed as above; out (M, N) contiguous.
 template <typename T>
@@ -188,6 +340,8 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
         }
         const float* a = sizeof(T) == 2 ? af : (const float*)(const void*)A;
         float acc[MR * TILE_N];
+        // bf16 blocks of many rows: the tile's weights widened once per block (see widen_tile)
+        float* wide = sizeof(T) == 2 ? (float*)std::aligned_alloc(64, sizeof(float) * ((size_t)K * TILE_N + 64)) : nullptr;
         // work items: (block of MC rows, tile of TILE_N columns); each output element belongs to
         // exactly one item, computed whole by the thread that takes it
 #pragma omp for schedule(static) collapse(2)
@@ -196,12 +350,18 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
                 const int n0 = t * TILE_N;
                 const int cols = N - n0 < TILE_N ? N - n0 : TILE_N;
                 const int m_end = (b + 1) * MC < M ? (b + 1) * MC : M;
+                const bool widen = sizeof(T) == 2 && m_end - b * MC >= 2 * MR;  // fewer rows: memory-bound, read bf16 directly
+                if (widen) widen_tile((const uint16_t*)(const void*)W, K, n0, wide);
                 for (int m0 = b * MC; m0 < m_end; m0 += MR) {
                     const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                    run_tile<MR>(rows, a + (long)m0 * ldf, ldf, W, K, n0, acc);
+                    if (widen)
+                        run_tile<MR>(rows, a + (long)m0 * ldf, ldf, (const float*)wide, K, 0, acc);
+                    else
+                        run_tile<MR>(rows, a + (long)m0 * ldf, ldf, W, K, n0, acc);
                     store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
                 }
             }
+        std::free(wide);
     }
     std::free(af);
 }
@@ -209,13 +369,17 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
 }  // namespace
 
 extern "C" {
-const char* isolab_gemm_isa() { return ISA; }
+// the bf16 path: "amx" where the tile unit runs (K % 32 == 0; other K and fp32 take ISA's fma chain)
+const char* isolab_gemm_isa() { return amx_ready() ? "amx" : ISA; }
 int isolab_gemm_panel() { return PANEL; }
 int isolab_gemm_tile_n() { return TILE_N; }
 // A: (M, K) rows with stride lda (elements); W: packed (see above), its N padded to a multiple of
 // isolab_gemm_tile_n(); out: (M, N) contiguous.
 void isolab_gemm_bf16(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
-    gemm<uint16_t>(A, lda, W, out, M, N, K);
+    if (use_amx(K))
+        gemm_amx(A, lda, W, out, M, N, K);
+    else
+        gemm<uint16_t>(A, lda, W, out, M, N, K);
 }
 void isolab_gemm_fp32(const float* A, long lda, const float* W, float* out, int M, int N, int K) {
     gemm<float>(A, lda, W, out, M, N, K);

@@ -1,7 +1,8 @@
 """Batch invariance by construction, verified where it runs (docs/engine.md, "Numerics").
 
-- isolab's GEMM gives a row the same bits at every M, and the same bits at every ISA level this
-  CPU can run (ISOLAB_KERNEL_ISA forced down in subprocesses);
+- isolab's GEMM gives a row the same bits at every M, at every ISA level this CPU can run
+  (ISOLAB_KERNEL_ISA forced down in subprocesses), and the same bits across levels that share the
+  fma chain (AMX tiles are a chain of their own);
 - under every oneDNN ISA cap this CPU can emulate (ONEDNN_MAX_CPU_ISA), the engine's start-up
   check picks a path that passes;
 - a GEMM whose reduction order depends on M (the batch-variant-gemm fault's split-k) is detected
@@ -63,7 +64,13 @@ out = {"isa": kernels.gemm_isa(), "bf16_dot": kernels.attention_bf16_dot()}
 for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     w = torch.randn(130, 576, generator=g).to(dt)
     x = torch.randn(19, 576, generator=g).to(dt)
-    out["gemm_" + name] = Weight(w, "isolab")(x)
+    packed = Weight(w, "isolab")
+    out["gemm_" + name] = packed(x)
+    # the same rows in slices of every size: a row's bits must not depend on M at any level
+    out["gemm_m_mismatches_" + name] = sum(
+        int((torch.cat([packed(x[s : s + m]) for s in range(0, 19, m)]) != out["gemm_" + name]).sum())
+        for m in (1, 2, 3, 5, 9, 17))
+    out["gemm_exact_" + name] = x.double() @ w.double().T
     hkv, heads, dh, bs, b, nb = 3, 9, 64, 16, 4, 6
     pool = torch.randn(2, hkv, b * nb + 1, bs, dh, generator=g).to(dt)
     tables = (torch.arange(b * nb, dtype=torch.int32) + 1).view(b, nb)
@@ -88,16 +95,28 @@ def _run_level(tmp_path, env_extra: dict[str, str], name: str) -> dict:
 
 def test_every_isa_level_gives_the_same_bits(tmp_path):
     """The kernels built for each level this CPU runs (generic SSE2 with software fma, AVX2+FMA,
-    AVX-512, native): GEMM, attention and row ops give identical bits. bf16 attention on AVX512-BF16
-    dot products rounds otherwise, and is compared only between levels that do not use them."""
+    AVX-512, AVX-512 with AMX tiles, native): at every level a row's GEMM bits are the same at every
+    M, and GEMM, attention and row ops give identical bits across the levels that share a chain.
+    Two paths round otherwise by design and are compared only among themselves: bf16 GEMMs on AMX
+    tiles (another fixed summation order, checked against the exact product instead) and bf16
+    attention on AVX512-BF16 dot products."""
     levels = kernels.isa_levels()
     assert "generic" in levels and "native" in levels
     got = {lv: _run_level(tmp_path, {"ISOLAB_KERNEL_ISA": lv}, lv) for lv in levels}
     assert got["generic"]["isa"] == "generic"
+    if "amx" in levels:
+        assert got["amx"]["isa"] == "amx" and got["avx512"]["isa"] == "avx512"
     base = got["generic"]
     for lv, out in got.items():
+        for name in ("bf16", "fp32"):
+            assert out["gemm_m_mismatches_" + name] == 0, f"{lv}: {name} GEMM bits depend on M"
+        if out["isa"] == "amx":  # its own chain: close to the exact product, equal among AMX builds
+            exact = out["gemm_exact_bf16"]
+            assert ((out["gemm_bf16"].double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3).all()
+            assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == "amx")
         for key, value in base.items():
-            if key in ("isa", "bf16_dot") or (key == "attention_bf16" and out["bf16_dot"]):
+            if not isinstance(value, torch.Tensor) or (key == "attention_bf16" and out["bf16_dot"]) or \
+                    (key == "gemm_bf16" and out["isa"] == "amx"):
                 continue
             assert torch.equal(out[key], value), f"{key} differs between generic and {lv} ({out['isa']})"
 
