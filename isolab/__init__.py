@@ -1,5 +1,7 @@
 """isolab: an LLM inference engine whose paged, shared KV cache is isolated by construction."""
 
+from typing import TYPE_CHECKING, Any
+
 from isolab.errors import (
     InvalidRequestError,
     IsolabError,
@@ -8,7 +10,6 @@ from isolab.errors import (
     PromptTooLongError,
     UnsupportedModelError,
 )
-from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers; at run time these load on first use (see __getattr__)
     from isolab.llm import LLM, CompletionOutput
