@@ -221,21 +221,42 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
                             int Lpad) {
     constexpr int BS = 16, DH = 64;
     const int nblk = (L + BS - 1) / BS;
+    const int Lown = nblk * BS;  // this row's own keys, padded to whole blocks: softmax_row's
+    // result does not depend on the padding (lanes past L are never summed), so a row does the
+    // work of its own length whatever the longest row of the step
     uint32_t qp[G][DH / 2];
     for (int g = 0; g < G; g++) std::memcpy(qp[g], q + g * DH, DH * 2);
     for (int i = 0; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        __m512 acc[G];
-        for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-        for (int p = 0; p < DH / 2; p++) {
-            const __m512bh k = (__m512bh)_mm512_loadu_si512(kb + p * BS * 2);
-            for (int g = 0; g < G; g++) acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32((int)qp[g][p]));
+        // two chains per head (even and odd dimension pairs), added at the end: a fixed order,
+        // and twice the independent dot products in flight
+        __m512 acc[G], acc1[G];
+        for (int g = 0; g < G; g++) acc[g] = acc1[g] = _mm512_setzero_ps();
+        for (int p = 0; p < DH / 2; p += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * BS * 2);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * BS * 2);
+            for (int g = 0; g < G; g++) {
+                acc[g] = _mm512_dpbf16_ps(acc[g], k0, (__m512bh)_mm512_set1_epi32((int)qp[g][p]));
+                acc1[g] = _mm512_dpbf16_ps(acc1[g], k1, (__m512bh)_mm512_set1_epi32((int)qp[g][p + 1]));
+            }
         }
         for (int g = 0; g < G; g++)
-            _mm512_storeu_ps(sc + (long)g * Lpad + (long)i * BS, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(sc + (long)g * Lpad + (long)i * BS,
+                             _mm512_mul_ps(_mm512_add_ps(acc[g], acc1[g]), _mm512_set1_ps(scale)));
     }
     float sum[G];
-    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lown);
+    // probabilities rounded to bf16 once, 16 lanes at a time (bf16_bits16: the scalar rounding),
+    // written in place as uint16 at the front of each head's score row: keys k, k+1 are then the
+    // one 32-bit pair a dot product takes
+    for (int g = 0; g < G; g++) {
+        float* s = sc + (long)g * Lpad;
+        uint16_t* pb = (uint16_t*)(void*)s;
+        for (int k = 0; k < Lown; k += 16) {
+            const v16u b = bf16_bits16(load16(s + k));  // read before the write below overlaps it
+            _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
+        }
+    }
     __m512 o[G][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
@@ -245,8 +266,9 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
         const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vb + 64), v3 = (__m512bh)_mm512_loadu_si512(vb + 96);
         for (int g = 0; g < G; g++) {
-            const float* s = sc + (long)g * Lpad;
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)(bf16_bits(s[k]) | (bf16_bits(s[k + 1]) << 16)));
+            uint32_t pair;
+            std::memcpy(&pair, (const uint16_t*)(const void*)(sc + (long)g * Lpad) + k, 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
             o[g][0] = _mm512_dpbf16_ps(o[g][0], v0, pp);
             o[g][1] = _mm512_dpbf16_ps(o[g][1], v1, pp);
             o[g][2] = _mm512_dpbf16_ps(o[g][2], v2, pp);
@@ -259,7 +281,7 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
         if (L & 1) {  // the odd last key, whose pair partner is not visible
             const int k = L - 1;
             const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
-            uint32_t pb = bf16_bits(sc[(long)g * Lpad + k]) << 16;
+            uint32_t pb = (uint32_t)((const uint16_t*)(const void*)(sc + (long)g * Lpad))[k] << 16;
             float p;
             std::memcpy(&p, &pb, 4);
             for (int d = 0; d < DH; d++) acc[d] += p * load(vb, vidx(vb, k % BS, d, DH));
