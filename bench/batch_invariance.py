@@ -55,7 +55,7 @@ def measure(path: str, dname: str, quick: bool) -> dict:
     for m in STEP_M:
         xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (576, 1536)}
 
-        def step() -> None:
+        def step(xs: dict = xs) -> None:  # xs bound now: this M's inputs
             for ws in layers:
                 for w, (_, k) in zip(ws, LAYER_SHAPES, strict=True):
                     w(xs[k])

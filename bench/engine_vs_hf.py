@@ -67,6 +67,9 @@ def main() -> None:
         del hf
     result["native_kernels_available"] = kernels.available(torch.device("cpu"), torch.bfloat16, 9, 3, 64)
     out = Path(__file__).parent / "results" / "engine_vs_hf.json"
+    if out.exists():  # a run of some dtypes keeps the others' last figures
+        kept = json.loads(out.read_text()).get("dtypes", {})
+        result["dtypes"] = {**{k: v for k, v in kept.items() if k not in result["dtypes"]}, **result["dtypes"]}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import isolab.kernels as kernels  # noqa: E402
 import isolab.models.llama as llama  # noqa: E402
-from isolab.models.linear import Weight  # noqa: E402
 from isolab.bench.workload import WorkloadSpec, make_workload  # noqa: E402
 from isolab.config import EngineConfig  # noqa: E402
 from isolab.engine.llm_engine import LLMEngine  # noqa: E402
 from isolab.engine.model_runner import PagedAttention  # noqa: E402
 from isolab.models.bundle import load_bundle  # noqa: E402
 from isolab.models.gguf_loader import load_gguf  # noqa: E402
+from isolab.models.linear import Weight  # noqa: E402
 from isolab.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536)}
@@ -52,7 +52,7 @@ def gemm_step_ms(dtype: torch.dtype, repeats: int, rows: int = 32) -> dict[str, 
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(rows, k, generator=g).to(dtype)
         packed = Weight(w, "isolab")
-        for name, fn in (("packed", lambda: packed(x)), ("F.linear", lambda: F.linear(x, w))):
+        for name, fn in (("packed", lambda p=packed, x=x: p(x)), ("F.linear", lambda x=x, w=w: F.linear(x, w))):
             fn()
             samples = []
             for _ in range(repeats):

@@ -275,6 +275,7 @@ static void amx_block(const uint16_t* a, long lda, const uint16_t* w, int K, lon
 
 static void gemm_amx(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
     constexpr int MB = 32, NB = 32;  // rows and columns per work item
+    static_assert(NB == TILE_N, "store_out reads c with a row stride of TILE_N");
     const int items_n = (N + NB - 1) / NB;
     const int blocks_m = (M + MB - 1) / MB;
     // the last, partial block of rows: a copy padded with zero rows, so every tile load reads 16
@@ -304,9 +305,7 @@ static void gemm_amx(const uint16_t* A, long lda, const uint16_t* W, uint16_t* o
                 else
                     amx_block<1>(a, la, W, K, 2L * t, c);
                 const int n0 = t * NB;
-                const int cols = N - n0 < NB ? N - n0 : NB;
-                for (int r = 0; r < rows; r++)
-                    for (int j = 0; j < cols; j++) out[(long)(m0 + r) * N + n0 + j] = f32_to_bf16(c[r * NB + j]);
+                store_out(out + (long)m0 * N, N, c, rows, n0, N - n0 < NB ? N - n0 : NB);
             }
         _tile_release();
     }
