@@ -68,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"isolab: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`isolab ... | head`): stop quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print("isolab: interrupted", file=sys.stderr)
         return 130

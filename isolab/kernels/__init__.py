@@ -129,6 +129,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_attention_fast_paths.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
     lib.isolab_attention_bf16_dot.argtypes = []
+    lib.isolab_attention_isa.restype = ctypes.c_char_p
+    lib.isolab_attention_isa.argtypes = []
     return lib
 
 
@@ -141,9 +143,18 @@ def attention_fast_paths(on: bool) -> None:
 
 
 def attention_bf16_dot() -> bool:
-    """Whether bf16 attention uses AVX512-BF16 dot products (other rounding than the generic path)."""
+    """Whether bf16 attention uses bf16 dot products, on AMX tiles or AVX512-BF16 (other rounding
+    than the generic path)."""
     lib = _library()
     return lib is not None and bool(lib.isolab_attention_bf16_dot())
+
+
+def attention_isa() -> str:
+    """Which code path bf16 attention runs: amx (tiles: a unit of up to 16 (row, head) queries of
+    one table per instruction), avx512bf16 (dot products, a row at a time) or fma (fp32
+    arithmetic, as fp32 attention does); "torch" where the native kernels are unavailable."""
+    lib = _library()
+    return "torch" if lib is None else lib.isolab_attention_isa().decode()
 
 
 def gemm_isa() -> str:

@@ -5,13 +5,18 @@
 //   fp32: K (Dh, bs): 16 keys of one dimension are one vector; V (bs, Dh)
 //   bf16: K (Dh/2, bs, 2) and V (bs/2, Dh, 2): the pairs that one AVX512-BF16 dot product takes
 //         (two dimensions of one key, or one dimension of two keys) side by side
-// Each (query row, kv head) is computed by one thread, in a fixed order that depends only on the
-// row's own query, its keys 0..pos and its block table: never on the batch, the chunking or
-// padding. That is what makes a row's bits independent of what else runs (issue 3, item 7).
-// Keys after `pos` are never read, so nothing needs masking or padding.
+// Each (query row, kv head) is computed in a fixed order that depends only on the row's own query,
+// its keys 0..pos and its block table: never on the batch, the chunking or padding. That is what
+// makes a row's bits independent of what else runs (issue 3, item 7). Keys after `pos` are never
+// read (the AVX paths), or enter only as exact zeros that change no sum (AMX, below). Paths:
+//   fp32 and generic bf16: fp32 arithmetic, one (row, kv head) per thread task;
+//   bf16 with AVX512-BF16 (no AMX): dot products on the paired layouts, a row at a time;
+//   bf16 with AMX tiles: a unit of consecutive rows of one table per task (a prompt chunk), its
+//   (row, head) queries the rows of one tile; every bf16 row on that CPU takes it, decode rows too.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -327,7 +332,166 @@ static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, con
     }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+// ---- bf16 on AMX tiles: a unit of rows of one block table, all G query heads of one KV head ----
+//
+// A unit is up to 16 / G consecutive rows that read the same table (a prompt chunk; a decode row
+// is a unit of one). Its R*G (row, head) query vectors are the rows of one A tile; a row's results
+// read only its own tile row, so they do not depend on which rows share the unit:
+//   scores, per 16-key block: C = 0, += Q[dims 0..31] . K, += Q[dims 32..63] . K, then * scale;
+//   softmax over the row's own keys (softmax_row), probabilities rounded to bf16, zero past the
+//   row's last key;
+//   output, per 16-key block in order: O += P[block] . V[block], then * 1 / sum.
+// A row whose unit reaches further than its own keys adds exact zeros for those keys (+0 leaves
+// every sum unchanged), so its bits equal those it gets alone. Keys past the unit's last one are
+// never multiplied: the last partial V block is copied with those slots zeroed (a freed block is
+// NaN-poisoned in audit mode, and 0 * NaN is NaN). Another summation order than the AVX512-BF16
+// path: on a CPU with AMX every bf16 row takes this path.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static bool attention_amx_ready() {
+    static const bool ok = [] {
+        constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
+        unsigned long mask = 0;
+        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return false;
+        return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
+    }();
+    return ok;
+}
+
+// tmm0-3: C (16 x 16 fp32; tmm0 the scores, then tmm0-3 the output's four 16-dim chunks; tmm1 the
+// K tile while scoring); tmm4: P (16 rows x 16 keys bf16); tmm5: V (8 key pairs x 16 dims x 2);
+// tmm6-7: Q, dims 0..31 and 32..63 (16 rows x 32 bf16)
+static void attention_amx_configure() {
+    struct alignas(64) {
+        uint8_t palette_id, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c{};
+    c.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    c.colsb[4] = 32;
+    c.rows[5] = 8;
+    _tile_loadconfig(&c);
+}
+
+// rows n0..n0+R-1 (one table; R*G <= 16), KV head h. qs: row stride of q; out: (N, H, 64).
+// Scratch: sc (16, Lpad) fp32, qb (16, 64) bf16, ob (16, 64) fp32, vt (8, 64, 2) bf16.
+static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, const uint16_t* vplane,
+                            const int32_t* table, const int32_t* q_pos, int n0, int R, int G, int H, long NB, int h,
+                            float scale, uint16_t* out, float* sc, int Lpad, uint16_t* qb, float* ob, uint16_t* vt) {
+    constexpr int BS = 16, DH = 64;
+    const int T = R * G;  // tile rows in use: t = r * G + g
+    int Lmax = 0;
+    for (int r = 0; r < R; r++) Lmax = q_pos[n0 + r] + 1 > Lmax ? q_pos[n0 + r] + 1 : Lmax;
+    const int nblk = (Lmax + BS - 1) / BS;
+    for (int r = 0; r < R; r++)
+        std::memcpy(qb + (long)r * G * DH, q + (long)(n0 + r) * qs + (long)h * G * DH, sizeof(uint16_t) * G * DH);
+    const long sstride = (long)Lpad * sizeof(float);
+    _tile_loadd(6, qb, DH * 2);
+    _tile_loadd(7, qb + 32, DH * 2);
+    for (int i = 0; i < nblk; i++) {
+        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        _tile_zero(0);
+        _tile_loadd(1, kb, 64);
+        _tile_dpbf16ps(0, 6, 1);
+        _tile_loadd(1, kb + 16 * 32, 64);
+        _tile_dpbf16ps(0, 7, 1);
+        _tile_stored(0, sc + (long)i * BS, sstride);
+    }
+    float sum[16];
+    for (int t = 0; t < T; t++) {
+        float* s = sc + (long)t * Lpad;
+        const int L = q_pos[n0 + t / G] + 1, Lown = (L + BS - 1) / BS * BS;
+        for (int k = 0; k < Lown; k += 16) store16(s + k, load16(s + k) * scale);
+        sum[t] = softmax_row(s, L, Lown);
+        uint16_t* pb = (uint16_t*)(void*)s;  // bf16 probabilities over the front of the row
+        for (int k = 0; k < Lown; k += 16) {
+            const v16u b = bf16_bits16(load16(s + k));
+            _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
+        }
+        for (int k = L; k < nblk * BS; k++) pb[k] = 0;
+    }
+    const int tail = Lmax % BS;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int i = 0; i < nblk; i++) {
+        const uint16_t* vb = vplane + ((long)h * NB + table[i]) * BS * DH;
+        if (tail && i == nblk - 1) {  // keys tail..15 of the last block are not the unit's
+            std::memcpy(vt, vb, sizeof(uint16_t) * BS * DH);
+            for (int j = tail; j < BS; j++)
+                for (int d = 0; d < DH; d++) vt[vidx(vt, j, d, DH)] = 0;
+            vb = vt;
+        }
+        _tile_loadd(4, (const uint16_t*)(const void*)sc + (long)i * BS, sstride);
+        _tile_loadd(5, vb, DH * 2 * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vb + 32, DH * 2 * 2);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vb + 64, DH * 2 * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vb + 96, DH * 2 * 2);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, ob, DH * 4);
+    _tile_stored(1, ob + 16, DH * 4);
+    _tile_stored(2, ob + 32, DH * 4);
+    _tile_stored(3, ob + 48, DH * 4);
+    for (int t = 0; t < T; t++) {
+        const int r = t / G, g = t % G;
+        uint16_t* o = out + ((long)(n0 + r) * H + (long)h * G + g) * DH;
+        const float inv = 1.0f / sum[t];
+        for (int d = 0; d < DH; d += 16) store16(o + d, load16(ob + (long)t * DH + d) * inv);
+    }
+}
+#define ISOLAB_HAVE_AMX_ATTENTION 1
+#else
+#define ISOLAB_HAVE_AMX_ATTENTION 0
+static bool attention_amx_ready() { return false; }
+#endif
+
 static int fast_paths = 1;  // 0: every row takes attend_row (tests compare the two)
+
+
+// every thread of the parallel region calls this: the AMX units, one (unit, KV head) per task
+template <typename T>
+static void attend_units_amx(const T* q, long qs, const T* kplane, const T* vplane, const int32_t* tables,
+                             int table_len, const int32_t* row_table, const int32_t* q_pos, T* out,
+                             const std::vector<int>& units, int H, int Hkv, long NB, int G, float scale, int Lpad) {
+#if ISOLAB_HAVE_AMX_ATTENTION
+    if constexpr (sizeof(T) == 2) {
+        attention_amx_configure();  // tile configuration is per thread
+        float* sc = (float*)std::aligned_alloc(64, sizeof(float) * 16 * (size_t)Lpad);
+        alignas(64) uint16_t qb[16 * 64];
+        alignas(64) float ob[16 * 64];
+        alignas(64) uint16_t vt[16 * 64];
+        std::memset(qb, 0, sizeof qb);
+        std::memset(sc, 0, sizeof(float) * 16 * (size_t)Lpad);
+        const long n_units = (long)units.size() / 2;
+#pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < n_units * Hkv; task++) {
+            const long u = task / Hkv;
+            const int h = (int)(task % Hkv), n0 = units[2 * u], R = units[2 * u + 1];
+            attend_unit_amx(q, qs, kplane, vplane, tables + (long)row_table[n0] * table_len, q_pos, n0, R, G, H, NB,
+                            h, scale, out, sc, Lpad, qb, ob, vt);
+        }
+        std::free(sc);
+        _tile_release();
+        return;
+    }
+#endif
+    (void)q, (void)qs, (void)kplane, (void)vplane, (void)tables, (void)table_len, (void)row_table, (void)q_pos;
+    (void)out, (void)units, (void)H, (void)Hkv, (void)NB, (void)G, (void)scale, (void)Lpad;
+}
 
 template <typename T>
 static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, T* kplane,
@@ -337,6 +501,16 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
     int max_len = 0;
     for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
     const int Lpad = ((max_len + bs - 1) / bs * bs + 15) / 16 * 16;
+    const bool amx = sizeof(T) == 2 && fast_paths && bs == 16 && Dh == 64 && G <= 16 && attention_amx_ready();
+    std::vector<int> units;  // AMX: (first row, rows) of each unit, consecutive rows of one table
+    if (amx)
+        for (int n = 0; n < N;) {
+            int R = 1;
+            while (n + R < N && R < 16 / G && row_table[n + R] == row_table[n]) R++;
+            units.push_back(n);
+            units.push_back(R);
+            n += R;
+        }
 #pragma omp parallel
     {
         // 1. this step's K/V into their slots (K transposed inside its block); all rows are
@@ -357,7 +531,11 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 }
             }
         }
-        // 2. attention, one (row, KV head) per task
+        // 2. attention, one (row, KV head) per task; on AMX one (unit of rows, KV head)
+        if (amx) {
+            attend_units_amx(q, qs, kplane, vplane, tables, table_len, row_table, q_pos, out, units, H, Hkv, NB, G,
+                             scale, Lpad);
+        } else {
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < (long)N * Hkv; task++) {
@@ -374,12 +552,17 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
         }
         std::free(sc);
+        }
     }
 }
 
 extern "C" {
 void isolab_attention_fast_paths(int on) { fast_paths = on; }
-int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT; }
+int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT || (ISOLAB_HAVE_AMX_ATTENTION && attention_amx_ready()); }
+// the path bf16 rows take: "amx" (tiles), "avx512bf16" (dot products) or "fma" (fp32 arithmetic)
+const char* isolab_attention_isa() {
+    return ISOLAB_HAVE_AMX_ATTENTION && attention_amx_ready() ? "amx" : ISOLAB_HAVE_BF16_DOT ? "avx512bf16" : "fma";
+}
 // q, k_new, v_new: rows of one (N, W) buffer with row stride qs elements (q: H heads, k and v:
 // Hkv heads, each Dh contiguous); slots: (N,) flat slot of each row's new K/V, or null to write
 // nothing; out: (N, H, Dh) contiguous; tables: (R, table_len) block ids; row_table: (N,) which

@@ -36,7 +36,7 @@ CHECK_M = (1, 2, 3, 5, 9, 17, 32, 33, 64, 128, 512)
 MAX_M = 512
 MAX_M_WIDE = 128  # rows for a GEMM wider than WIDE columns (the vocabulary head): bounds the cost
 WIDE = 16384
-CHECK_VERSION = 1  # bump when the check itself changes: old verdicts are then not reused
+CHECK_VERSION = 2  # bump when the check itself changes: old verdicts are then not reused
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class InvarianceReport:
     cached: bool = False
     rejected: tuple[str, ...] = ()  # paths tried before this one and why they were refused
     env: dict[str, str] = field(default_factory=dict)  # ONEDNN_MAX_CPU_ISA / ISOLAB_KERNEL_ISA if set
+    attention_isa: str | None = None  # bf16 native attention's code path (kernels.attention_isa)
 
     @property
     def gemm_ok(self) -> bool:
@@ -62,9 +63,10 @@ class InvarianceReport:
 
     @property
     def numerics(self) -> str:
-        """One line for /health, logs and reports: e.g. 'isolab-gemm/avx2 + native attention'."""
+        """One line for /health, logs and reports: e.g. 'isolab-gemm/amx + native/amx attention'."""
         g = f"{self.gemm_path}-gemm" + (f"/{self.kernel_isa}" if self.gemm_path == "isolab" and self.kernel_isa else "")
-        return f"{g} + {self.attention} attention"
+        a = self.attention + (f"/{self.attention_isa}" if self.attention_isa else "")
+        return f"{g} + {a} attention"
 
     def summary(self) -> str:
         verdict = "batch-invariant" if self.invariant else "NOT batch-invariant"
@@ -129,8 +131,9 @@ def gemm_mismatches(fn, n: int, k: int, dtype: torch.dtype, device: torch.device
 def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, hkv: int, dh: int,
                          native: bool, bs: int = 16) -> dict[str, int]:
     """Attention on the same queries and keys grouped three ways: 32 decode rows at once vs each
-    alone, keys covered exactly vs padded to whole blocks, and 40 prompt queries in one chunk vs
-    one at a time (what preemption and prefix hits rely on). `native`: isolab's kernel reading a
+    alone, keys covered exactly vs padded to whole blocks, and a 70-query prompt in one chunk vs
+    cut into chunks of 1, 2, 3, 5, 9, 17, 32 and 33 queries, each over its own table's width (what
+    preemption, token budgets and prefix hits rely on). `native`: isolab's kernel reading a
     paged pool; else attention_core over gathered keys (the torch path)."""
     g = torch.Generator().manual_seed(0)
     b, s = 32, 10 * bs
@@ -156,21 +159,31 @@ def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, h
         def attend(qs, rows, p, width):
             return attention_core(qs, k[:, rows, :width], v[:, rows, :width], p, dh**-0.5)
 
+    # 32 decode rows in one call: only the native kernel runs them so (the torch path gives each
+    # chunk, decode rows too, a call of its own: model_runner._torch_groups)
     full = attend(q, list(range(b)), pos, s)
     batch = padded = 0
     for i in range(b):
         one = slice(i, i + 1)
-        batch += int((attend(q[one], [i], pos[one], s) != full[one]).sum())
+        if native:
+            batch += int((attend(q[one], [i], pos[one], s) != full[one]).sum())
+        else:
+            full[one] = attend(q[one], [i], pos[one], s)
         width = -(-(int(pos[i]) + 1) // bs) * bs
         padded += int((attend(q[one], [i], pos[one], width) != full[one]).sum())
-    t = min(40, s - bs)
+    # a prompt as one chunk vs cut into chunks of each size, as the engine would run them (after a
+    # prefix hit, preemption or a token budget): each chunk over its own table's whole blocks
+    t = min(70, s - bs)
     qq = torch.randn(1, t, heads, dh, generator=g).to(device=device, dtype=dtype)
     tpos = torch.arange(t, device=device).view(1, t)
-    width = -(-t // bs) * bs
-    chunk = attend(qq, [0], tpos, width)
-    split = sum(int((attend(qq[:, j : j + 1], [0], tpos[:, j : j + 1], width) != chunk[:, j : j + 1]).sum())
-                for j in range(t))
-    return {"batch_vs_solo": batch, "padded_vs_exact": padded, "chunk_vs_one_by_one": split}
+    chunk = attend(qq, [0], tpos, -(-t // bs) * bs)
+    split = 0
+    for size in (1, 2, 3, 5, 9, 17, 32, 33):
+        for j in range(0, t, size):
+            e = min(t, j + size)
+            split += int((attend(qq[:, j:e], [0], tpos[:, j:e], -(-e // bs) * bs) != chunk[:, j:e]).sum())
+    found = {"batch_vs_solo": batch} if native else {}
+    return {**found, "padded_vs_exact": padded, "chunk_vs_split": split}
 
 
 def _key(parts: dict) -> str:
@@ -211,6 +224,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         invariant=ok, gemm_path=path, attention="native" if native_attention else "torch", kernel_isa=kernel_isa,
         cpu=cpu_description(), dtype=dname, gemm_mismatches=gm, attention_mismatches=am,
         seconds=round(time.perf_counter() - t0, 3), env=_env(),
+        attention_isa=kernels.attention_isa() if native_attention and dname == "bf16" else None,
     )
     if use_cache:
         try:

@@ -113,6 +113,16 @@ def test_only_keys_up_to_the_position_in_the_rows_own_table_are_read():
     poison(int(tables[2, 0]), [3])  # a key row 2 does see
     hit = kernels.paged_attention(q, kvp, tables, every, pos, 0.125)
     assert torch.isnan(hit[2]).all() and not torch.isnan(hit[[0, 1, 3]]).any()
+    # a prompt chunk's rows, sharing one table (AMX runs them as units of up to 16 (row, head)
+    # queries): the slots after the chunk's last key are NaN too, and no row reads them
+    kvp = kv.clone()
+    for j in range(38, 64):
+        poison(int(tables[0, j // bs]), [j % bs])
+    cpos = torch.arange(38, dtype=torch.int32)
+    qc = q[:1].expand(38, -1, -1).contiguous() + torch.linspace(0, 1, 38).view(38, 1, 1).to(q.dtype)
+    zeros = torch.zeros(38, dtype=torch.int32)
+    clean = kernels.paged_attention(qc, kv, tables[:1], zeros, cpos, 0.125)
+    assert torch.equal(kernels.paged_attention(qc, kvp, tables[:1], zeros, cpos, 0.125), clean)
 
 
 @pytest.mark.parametrize("dname", DTYPES)

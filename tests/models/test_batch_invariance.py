@@ -60,7 +60,7 @@ from isolab import kernels
 from isolab.models.linear import Weight
 from isolab.models.attention import write_kv
 g = torch.Generator().manual_seed(2)
-out = {"isa": kernels.gemm_isa(), "bf16_dot": kernels.attention_bf16_dot()}
+out = {"isa": kernels.gemm_isa(), "bf16_dot": kernels.attention_bf16_dot(), "attention_isa": kernels.attention_isa()}
 for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     w = torch.randn(130, 576, generator=g).to(dt)
     x = torch.randn(19, 576, generator=g).to(dt)
@@ -99,7 +99,7 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
     M, and GEMM, attention and row ops give identical bits across the levels that share a chain.
     Two paths round otherwise by design and are compared only among themselves: bf16 GEMMs on AMX
     tiles (another fixed summation order, checked against the exact product instead) and bf16
-    attention on AVX512-BF16 dot products."""
+    attention on AMX tiles or AVX512-BF16 dot products."""
     levels = kernels.isa_levels()
     assert "generic" in levels and "native" in levels
     got = {lv: _run_level(tmp_path, {"ISOLAB_KERNEL_ISA": lv}, lv) for lv in levels}
@@ -114,6 +114,9 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
             exact = out["gemm_exact_bf16"]
             assert ((out["gemm_bf16"].double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3).all()
             assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == "amx")
+        # bf16 attention: equal among the builds that take the same path (amx tiles, AVX512-BF16 dots)
+        assert all(torch.equal(o["attention_bf16"], out["attention_bf16"]) for o in got.values()
+                   if o["attention_isa"] == out["attention_isa"])
         for key, value in base.items():
             if not isinstance(value, torch.Tensor) or (key == "attention_bf16" and out["bf16_dot"]) or \
                     (key == "gemm_bf16" and out["isa"] == "amx"):
