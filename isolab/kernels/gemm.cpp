@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include "simd.h"  // amx_ready
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -206,8 +207,6 @@ static inline void store_out(O* out, long ldo, const float* acc, int rows, int n
 // chunk order is the same at M = 1 and M = 512), so the AVX-512 chain above is never mixed in.
 // Its bits differ from the fma chain's (another summation order), which is why the ISA level is
 // part of the invariance check's key. Needs K % 32 == 0; other shapes keep the fma chain at every M.
-#include <sys/syscall.h>
-#include <unistd.h>
 
 struct alignas(64) TileConfig {
     uint8_t palette_id;
@@ -217,17 +216,6 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Linux hands the AMX tile state to a process only on request (arch_prctl, Linux 5.16+).
-static bool amx_ready() {
-    static const bool ok = [] {
-        constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
-        unsigned long mask = 0;
-        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return false;
-        return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
-    }();
-    return ok;
-}
 
 // tmm0-3: C (16 rows x 16 fp32); tmm4-5: A (16 rows x 32 bf16); tmm6-7: B (16 k-pairs x 16 columns x 2)
 static void amx_configure() {
@@ -315,7 +303,6 @@ static bool use_amx(int K) { return K % 32 == 0 && amx_ready(); }
 #else
 static bool use_amx(int) { return false; }
 static void gemm_amx(const uint16_t*, long, const uint16_t*, uint16_t*, int, int, int) {}
-static bool amx_ready() { return false; }
 #endif
 
 // A (M, K) with row stride lda, as T (bf16 bits or fp32); W packed as above; out (M, N) contiguous.

@@ -349,19 +349,6 @@ static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, con
 // never multiplied: the last partial V block is copied with those slots zeroed (a freed block is
 // NaN-poisoned in audit mode, and 0 * NaN is NaN). Another summation order than the AVX512-BF16
 // path: on a CPU with AMX every bf16 row takes this path.
-#include <sys/syscall.h>
-#include <unistd.h>
-
-static bool attention_amx_ready() {
-    static const bool ok = [] {
-        constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
-        unsigned long mask = 0;
-        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return false;
-        return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
-    }();
-    return ok;
-}
 
 // tmm0-3: C (16 x 16 fp32; tmm0 the scores, then tmm0-3 the output's four 16-dim chunks; tmm1 the
 // K tile while scoring); tmm4: P (16 rows x 16 keys bf16); tmm5: V (8 key pairs x 16 dims x 2);
@@ -456,7 +443,6 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
 #define ISOLAB_HAVE_AMX_ATTENTION 1
 #else
 #define ISOLAB_HAVE_AMX_ATTENTION 0
-static bool attention_amx_ready() { return false; }
 #endif
 
 static int fast_paths = 1;  // 0: every row takes attend_row (tests compare the two)
@@ -501,7 +487,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
     int max_len = 0;
     for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
     const int Lpad = ((max_len + bs - 1) / bs * bs + 15) / 16 * 16;
-    const bool amx = sizeof(T) == 2 && fast_paths && bs == 16 && Dh == 64 && G <= 16 && attention_amx_ready();
+    const bool amx = sizeof(T) == 2 && fast_paths && bs == 16 && Dh == 64 && G <= 16 && amx_ready();
     std::vector<int> units;  // AMX: (first row, rows) of each unit, consecutive rows of one table
     if (amx)
         for (int n = 0; n < N;) {
@@ -558,10 +544,10 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
 
 extern "C" {
 void isolab_attention_fast_paths(int on) { fast_paths = on; }
-int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT || (ISOLAB_HAVE_AMX_ATTENTION && attention_amx_ready()); }
+int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT || (ISOLAB_HAVE_AMX_ATTENTION && amx_ready()); }
 // the path bf16 rows take: "amx" (tiles), "avx512bf16" (dot products) or "fma" (fp32 arithmetic)
 const char* isolab_attention_isa() {
-    return ISOLAB_HAVE_AMX_ATTENTION && attention_amx_ready() ? "amx" : ISOLAB_HAVE_BF16_DOT ? "avx512bf16" : "fma";
+    return ISOLAB_HAVE_AMX_ATTENTION && amx_ready() ? "amx" : ISOLAB_HAVE_BF16_DOT ? "avx512bf16" : "fma";
 }
 // q, k_new, v_new: rows of one (N, W) buffer with row stride qs elements (q: H heads, k and v:
 // Hkv heads, each Dh contiguous); slots: (N,) flat slot of each row's new K/V, or null to write

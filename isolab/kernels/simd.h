@@ -86,3 +86,22 @@ static inline v16f vexp(v16f x) {
     std::memcpy(&s, &e, 64);
     return p * s;
 }
+
+// Whether this process may use AMX tiles: Linux hands the tile state to a process only on request
+// (arch_prctl, Linux 5.16+). False in a build without AMX. One answer per kernel file, cached.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+static inline bool amx_ready() {
+    static const bool ok = [] {
+        constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
+        unsigned long mask = 0;
+        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &mask) != 0) return false;
+        return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
+    }();
+    return ok;
+}
+#else
+static inline bool amx_ready() { return false; }
+#endif
