@@ -9,7 +9,7 @@ PORT   ?= 8000
 # The main job serves one anonymous tenant; give keys for tenants: SERVE_ARGS='--api-keys keys.txt'
 SERVE_ARGS ?= --no-auth
 
-.PHONY: setup serve test check bench demo clean
+.PHONY: setup serve test test-fast check bench demo clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Unit and tiny-model tests, about 2 minutes on 2 cores: no real model (`real`), nothing over 5 s (`slow`).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not real and not slow" $(PYTEST_ARGS)
 
 check: $(STAMP)
 	$(BIN)/ruff check isolab tests

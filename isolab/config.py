@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from isolab.errors import InvalidRequestError
+from isolab.faults import Faults
 
 DTYPES = ("bf16", "fp32")
 GEMMS = ("isolab", "onednn", "fixed-tile", "torch")  # models/linear.py: GEMM_PATHS
@@ -52,17 +53,17 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     gemm: str | None = None  # GEMM path (models/linear.py); None: the first that passes the invariance check
     audit: bool = False  # writer tags checked on every read; freed blocks poisoned with NaN
-    inject_faults: frozenset[str] = frozenset()  # names from isolab.engine.faults.FAULTS; never on by default
+    inject_faults: frozenset[str] = frozenset()  # names from isolab.faults.FAULTS; never on by default
     trace_path: str | None = None  # JSONL lifecycle trace of every block event
+    # Derived from inject_faults once, in __post_init__: what the engine's components read.
+    faults: Faults = field(init=False, default=Faults())
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
         if self.gemm is not None and self.gemm not in GEMMS:
             raise InvalidRequestError(f"gemm must be one of {', '.join(GEMMS)}, not {self.gemm!r}", field="gemm")
-        from isolab.engine.faults import validate_faults
-
-        validate_faults(self.inject_faults)
+        object.__setattr__(self, "faults", Faults.from_names(self.inject_faults))  # validates the names
 
 
 def build_engine_config(

@@ -42,8 +42,9 @@ class PromptTooLongError(InvalidRequestError):
 class IsolationViolation(IsolabError):
     """Audit mode caught a read of a KV block that the reader does not own and may not share."""
 
-    def __init__(self, message: str, *, reader: str, block_id: int, writer: str | None) -> None:
+    def __init__(self, message: str, *, reader: str, block_id: int, writer: str | None, kind: str = "read") -> None:
         super().__init__(message)
+        self.kind = kind  # "read" or "write"
         self.reader = reader
         self.block_id = block_id
         self.writer = writer

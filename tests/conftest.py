@@ -37,3 +37,13 @@ def real_bundle_fp32():
     from isolab.models.bundle import load_bundle
 
     return load_bundle(None, "fp32")
+
+
+REAL_MODEL_FIXTURES = {"real_bundle", "real_bundle_fp32"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that loads the real model is `real` (left out of `make test-fast`), marked or not."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)

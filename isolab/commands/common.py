@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from isolab.config import GEMMS, MiB
-from isolab.engine.faults import FAULTS
+from isolab.faults import FAULTS
 
 
 def parse_memory(text: str) -> int:

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from isolab.engine.detokenize import IncrementalDetokenizer
+    from isolab.engine.detokenize import Detokenizer
     from isolab.llm import LLM
     from isolab.sampling_params import SamplingParams
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop),
     )
     llm = LLM(**llm_kwargs(args))
-    detok = IncrementalDetokenizer(llm.tokenizer)
+    detok = Detokenizer(llm.tokenizer, params.stop)
 
     def on_step(outputs):
         for o in outputs:
@@ -49,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
         out = llm.generate(ids, params, on_step=on_step)[0]
     else:
         out = llm.generate(args.prompt, params, on_step=on_step)[0]
-    sys.stdout.write(detok.flush_final(out.text) + "\n")
+    sys.stdout.write(detok.finish() + "\n")
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0

@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from isolab.engine.faults import FAULTS, validate_faults
     from isolab.engine.selftest import SCENARIOS, run_scenario
+    from isolab.faults import FAULTS, validate_faults
     from isolab.models.bundle import load_bundle
 
     validate_faults(frozenset(args.fault))

@@ -14,7 +14,6 @@ been computed, which is when a cache can serve them.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
@@ -78,12 +77,12 @@ class EngineTarget:
         return token_variant(items, seed, min(100, vocab // 4), vocab)
 
     def alone(self, item: Item) -> Result:
-        from isolab.engine.kv_storage import bytes_per_block
+        from isolab.engine.kv_storage import kv_cache_memory_for
 
         bs = self.kwargs.get("block_size", 16)
-        need = -(-(len(item.prompt) + item.max_tokens) // bs) + 2
-        per_block = bytes_per_block(self.bundle.hparams, bs, self.bundle.model.dtype)  # type: ignore[attr-defined]
-        eng = self.new_engine(True, per_block * need)  # a pool sized for one request: same outputs, less to set up
+        blocks = -(-(len(item.prompt) + item.max_tokens) // bs) + 1  # the request's blocks, and one spare
+        memory = kv_cache_memory_for(self.bundle.hparams, bs, self.bundle.model.dtype, blocks)  # type: ignore[attr-defined]
+        eng = self.new_engine(True, memory)  # a pool sized for one request: same outputs, less to set up
         (_, res), = drive(eng, [item], 1)
         eng.close()
         return res
@@ -113,29 +112,19 @@ def _params(it: Item):  # noqa: ANN202
 
 def drive(engine, items: Sequence[Item], concurrency: int) -> list[tuple[Item, Result]]:  # noqa: ANN001
     """Admit items in order, one per step, while fewer than `concurrency` run; results in admission order."""
-    pending = deque(items)
-    inflight: dict[str, Item] = {}
-    admitted: list[Item] = []
-    lps: dict[str, list] = {}
-    results: dict[str, Result] = {}
-    while pending or engine.has_unfinished():
-        if pending and len(inflight) < concurrency:
-            it = pending.popleft()
-            engine.add_request(it.item_id, list(it.prompt), _params(it), it.scope)
-            inflight[it.item_id] = it
-            admitted.append(it)
-            lps[it.item_id] = []
-        for o in engine.step():
-            lps[o.request_id].extend(o.new_logprobs)
-            if o.finished:
-                inflight.pop(o.request_id, None)
-                got = lps[o.request_id]
-                results[o.request_id] = Result(
-                    o.request_id, tuple(o.output_token_ids), tuple(lp.logprob for lp in got),
-                    tuple(dict(lp.top) for lp in got), engine.tokenizer.decode(o.output_token_ids),
-                    o.num_cached_tokens, None if o.error is None else str(o.error),
-                )
-    return [(it, results[it.item_id]) for it in admitted]
+    from isolab.testing import workload
+
+    arrivals = [workload.Arrival(0, it.item_id, tuple(cast("tuple[int, ...]", it.prompt)), _params(it), it.scope) for it in items]
+    run = workload.drive(engine, arrivals, max_in_flight=concurrency, max_admit_per_step=1)
+    by_id = {it.item_id: it for it in items}
+    out = []
+    for rid in run.admitted:
+        f = run.finished[rid]
+        out.append((by_id[rid], Result(
+            rid, f.token_ids, tuple(lp.logprob for lp in f.logprobs), tuple(dict(lp.top) for lp in f.logprobs),
+            engine.tokenizer.decode(f.token_ids), f.num_cached_tokens, None if f.error is None else str(f.error),
+        )))
+    return out
 
 
 def diagnose(

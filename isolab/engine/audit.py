@@ -16,7 +16,7 @@ from isolab.engine.block_pool import BlockState, KVBlock
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.request import Request
-from isolab.engine.scheduler import ScheduledChunk
+from isolab.engine.step import ScheduledChunk
 from isolab.errors import IsolationViolation
 
 
@@ -28,9 +28,7 @@ def _violation(kind: str, reader: Request, block: KVBlock, why: str) -> Isolatio
         f"{block.block_id} written by {'request ' + writer if writer else 'nobody'} (scope {block.scope!r}, "
         f"{block.state.value}, generation {block.generation}): {why}"
     )
-    v = IsolationViolation(msg, reader=reader.request_id, block_id=block.block_id, writer=writer)
-    v.kind = kind  # type: ignore[attr-defined]
-    return v
+    return IsolationViolation(msg, reader=reader.request_id, block_id=block.block_id, writer=writer, kind=kind)
 
 
 class Auditor:
@@ -43,7 +41,7 @@ class Auditor:
 
     def check_chunk(self, ch: ScheduledChunk) -> IsolationViolation | None:
         req, bs = ch.request, self.kv.block_size
-        table = self.kv.tables[req.request_id]
+        table = self.kv.held_blocks(req)
         first_write = ch.start // bs
         last = (ch.start + ch.num_new_tokens - 1) // bs
         for i in range(last + 1):
@@ -78,5 +76,5 @@ class Auditor:
 
     def _record(self, v: IsolationViolation) -> IsolationViolation:
         self.violations.append(v)
-        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer, access=getattr(v, "kind", None))
+        self.kv.pool.events.emit("violation", v.block_id, v.reader, None, writer=v.writer, access=v.kind)
         return v

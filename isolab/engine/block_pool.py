@@ -27,6 +27,7 @@ from typing import Protocol
 
 from isolab.engine.events import EventSink, NullSink
 from isolab.engine.hashing import BlockKey
+from isolab.faults import Faults
 
 NULL_BLOCK_ID = 0
 
@@ -66,7 +67,7 @@ class BlockPool:
         *,
         storage: BlockStorage | None = None,
         audit: bool = False,
-        invalidate_on_reuse: bool = True,  # False only under the fault reuse-without-invalidate
+        faults: Faults = Faults(),  # reuse-without-invalidate is read here (_evict), and only here
         events: EventSink | None = None,
     ) -> None:
         assert num_blocks >= 2, "the pool needs the null block and at least one more"
@@ -74,7 +75,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.storage = storage
         self.audit = audit
-        self.invalidate_on_reuse = invalidate_on_reuse
+        self.invalidate_on_reuse = not faults.reuse_without_invalidate
         self.events: EventSink = events or NullSink()
         # LRU order: the front is evicted first. Freed blocks go to the back.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -92,9 +93,6 @@ class BlockPool:
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     # -- allocation ------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -165,6 +163,26 @@ class BlockPool:
                     self._invalidate(block)
                     self.events.emit("freed", block.block_id, holder, None)
                 self.free_queue[block.block_id] = None
+
+    # -- writes --------------------------------------------------------------------------------
+    def record_write(self, block: KVBlock, offset: int, token_id: int, *, shared_writers: bool = False) -> None:
+        """The forward wrote token_id's K/V into slot `offset` of the block: record its token.
+
+        Slots fill in order: offset == len(tokens) for the one writer. A block shared for
+        writing (only under the fault write-shared) can see a second writer rewrite an earlier
+        slot, which cuts the block back to that slot, or skip slots another writer cut off
+        (filled with -1, which no real token equals); shared_writers says the caller allows that.
+        """
+        assert block.state is BlockState.ALLOCATED, f"block {block.block_id} is {block.state.value}: not writable"
+        tokens = block.tokens
+        if offset < len(tokens):
+            tokens[offset] = token_id
+            del tokens[offset + 1 :]
+            return
+        if offset > len(tokens):
+            assert shared_writers, f"block {block.block_id}: write at {offset} after {len(tokens)}"
+            tokens.extend([-1] * (offset - len(tokens)))
+        tokens.append(token_id)
 
     # -- prefix cache ----------------------------------------------------------------------
     def seal(self, block: KVBlock, key: BlockKey) -> bool:

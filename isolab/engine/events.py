@@ -13,8 +13,6 @@ EVENT_KINDS = ("allocated", "written", "sealed", "hit", "released", "freed", "ev
 
 
 class EventSink(Protocol):
-    enabled: bool
-
     def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None: ...
 
     def set_step(self, step: int) -> None: ...
@@ -23,8 +21,6 @@ class EventSink(Protocol):
 
 
 class NullSink:
-    enabled = False
-
     def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None:
         return None
 
@@ -36,8 +32,6 @@ class NullSink:
 
 
 class JsonlSink:
-    enabled = True
-
     def __init__(self, path: str) -> None:
         self._fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self.step = 0
@@ -54,19 +48,3 @@ class JsonlSink:
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()
-
-
-class ListSink(JsonlSink):
-    """In-memory sink for tests."""
-
-    def __init__(self) -> None:  # noqa: D107 - no file
-        self.step = 0
-        self.records: list[dict[str, object]] = []
-
-    def emit(self, kind: str, block_id: int, request_id: str | None, scope: str | None, **extra: object) -> None:
-        rec: dict[str, object] = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
-        rec.update(extra)
-        self.records.append(rec)
-
-    def close(self) -> None:
-        return None

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+from isolab.faults import Faults
+
 BlockKey = NewType("BlockKey", bytes)
 
 _TAG_NONE, _TAG_BYTES, _TAG_STR, _TAG_INTS, _TAG_INT = b"N", b"B", b"S", b"I", b"i"
@@ -51,6 +53,7 @@ class ExtraKeys:
 
 
 def block_key(parent: BlockKey | None, token_ids: Sequence[int], extra: ExtraKeys, *, with_scope: bool = True) -> BlockKey:
+    """with_scope=False only under the fault no-scope (KeyPolicy)."""
     parent_field = _field(_TAG_NONE, b"") if parent is None else _field(_TAG_BYTES, parent)
     payload = parent_field + encode_ints(token_ids) + extra.encode(with_scope=with_scope)
     return BlockKey(hashlib.sha256(payload).digest())
@@ -66,3 +69,17 @@ def coarse_block_key(parent: BlockKey | None, num_tokens: int, extra: ExtraKeys)
 def weak(key: BlockKey) -> BlockKey:
     """FAULT weak-hash: the key truncated to 8 bits (256 buckets: collisions are certain)."""
     return BlockKey(key[:1])
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """The one place a block's key is made: healthy, or weakened by a key fault (isolab.faults)."""
+
+    faults: Faults = Faults()
+
+    def key(self, parent: BlockKey | None, token_ids: Sequence[int], extra: ExtraKeys) -> BlockKey:
+        if self.faults.coarse_key:
+            k = coarse_block_key(parent, len(token_ids), extra)
+        else:
+            k = block_key(parent, token_ids, extra, with_scope=not self.faults.no_scope)
+        return weak(k) if self.faults.weak_hash else k

@@ -1,6 +1,9 @@
 """Owns per-request cache policy: block tables, prefix-cache hits, allocation, sealing, freeing.
 
-Does not own the pool's bookkeeping (block_pool.py) nor scheduling (scheduler.py).
+Does not own the pool's bookkeeping (block_pool.py) nor scheduling (scheduler.py), and never
+reads a request's num_computed_tokens: the scheduler passes every count explicitly. Blocks leave
+this module only as opaque values (`CachedPrefix`, passed from lookup to allocation untouched) or
+read-only views (`held_blocks` for the auditor, `slot_mapping` and `block_table` for the runner).
 
 Index arithmetic, block size bs = 4, a request of 10 tokens:
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from isolab.engine.block_pool import BlockPool, BlockState, KVBlock
-from isolab.engine.hashing import BlockKey, ExtraKeys, block_key, coarse_block_key, weak
+from isolab.engine.hashing import BlockKey, ExtraKeys, KeyPolicy
 from isolab.engine.request import Request
+from isolab.faults import Faults
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,20 @@ class BlockRef:
 
     block: KVBlock
     generation: int
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A prefix-cache hit, from get_computed_blocks to allocate_slots: opaque to the scheduler.
+
+    Invariant: num_tokens <= the request's num_tokens - 1 (its last token is always computed).
+    """
+
+    blocks: tuple[KVBlock, ...]  # SEALED blocks (or, under write-shared, one ALLOCATED tail) in table order
+    num_tokens: int  # the tokens they cover: the request's num_computed_tokens once admitted
+
+
+NO_PREFIX = CachedPrefix((), 0)
 
 
 class KVCacheManager:
@@ -40,20 +58,19 @@ class KVCacheManager:
         weights_fingerprint: str,
         dtype: str,
         enable_prefix_caching: bool = True,
-        faults: frozenset[str] = frozenset(),
+        faults: Faults = Faults(),
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.weights_fingerprint = weights_fingerprint
         self.dtype = dtype
         self.enable_prefix_caching = enable_prefix_caching
-        self.faults = faults
-        # Hits are confirmed against the stored tokens, unless a fault makes the engine trust its key.
-        self.confirm_hits = not ({"weak-hash", "coarse-key"} & faults)
-        self.write_shared = "write-shared" in faults  # FAULT: unsealed tails shared, no copy-on-write
-        self.tables: dict[str, list[BlockRef]] = {}
+        self.keys = KeyPolicy(faults)
+        self.confirm_hits = faults.confirm_hits  # weak-hash / coarse-key: trust the key alone
+        self.write_shared = faults.write_shared  # unsealed tails shared, no copy-on-write
+        self._tables: dict[str, list[BlockRef]] = {}  # request id -> its blocks, in position order
         # FAULT write-shared only: unsealed blocks published for sharing, by (parent key, scope).
-        self.partial_index: dict[tuple[BlockKey | None, str | None], KVBlock] = {}
+        self._partial_index: dict[tuple[BlockKey | None, str | None], KVBlock] = {}
         # Counters for metrics (tokens).
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -68,19 +85,14 @@ class KVCacheManager:
         extra = self._extra(request)
         for i in range(len(keys), request.num_tokens // bs):
             parent = keys[i - 1] if i else None
-            tokens = request.token_ids[i * bs : (i + 1) * bs]
-            if "coarse-key" in self.faults:
-                key = coarse_block_key(parent, len(tokens), extra)
-            else:
-                key = block_key(parent, tokens, extra, with_scope="no-scope" not in self.faults)
-            keys.append(weak(key) if "weak-hash" in self.faults else key)
+            keys.append(self.keys.key(parent, request.token_ids[i * bs : (i + 1) * bs], extra))
         return keys
 
     # -- lookup -----------------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of cached blocks that starts the request's tokens: (blocks, num tokens)."""
+    def get_computed_blocks(self, request: Request) -> CachedPrefix:
+        """The longest run of cached blocks that starts the request's tokens."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return NO_PREFIX
         bs = self.block_size
         keys = self.update_block_keys(request)
         max_blocks = (request.num_tokens - 1) // bs
@@ -98,17 +110,17 @@ class KVCacheManager:
             if extra is not None:
                 hits.append(extra)
                 num_hit += len(extra.tokens)
-        return hits, num_hit
+        return CachedPrefix(tuple(hits), num_hit)
 
-    def count_admission(self, request: Request, num_hit: int) -> None:
+    def count_admission(self, request: Request, prefix: CachedPrefix) -> None:
         """Prefix-cache statistics, once per admission (a lookup that then finds no room is a retry)."""
         self.num_query_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit
+        self.num_hit_tokens += prefix.num_tokens
 
     def _partial_hit(self, request: Request, hits: list[KVBlock], keys: list[BlockKey]) -> KVBlock | None:
         """FAULT write-shared: share another request's unsealed block with no copy-on-write."""
         i = len(hits)
-        block = self.partial_index.get((keys[i - 1] if i else None, request.scope))
+        block = self._partial_index.get((keys[i - 1] if i else None, request.scope))
         if block is None or block.state is not BlockState.ALLOCATED or not block.tokens:
             return None
         start = i * self.block_size
@@ -122,72 +134,76 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX
     ) -> bool:
-        """Give the request blocks for num_computed_tokens + num_new_tokens tokens; False if they cannot be had.
+        """Blocks for num_computed_tokens + num_new_tokens tokens; False (and nothing changed) if they cannot be had.
 
-        new_computed_blocks (a prefix-cache hit, first scheduling only) are attached read-only;
-        request.num_computed_tokens must already count their tokens.
+        prefix (a hit, first scheduling only) is attached read-only; num_computed_tokens counts
+        its tokens already.
         """
-        hits = new_computed_blocks or []
-        table = self.tables.setdefault(request.request_id, [])
-        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table) - len(hits)
+        table = self._tables.get(request.request_id, [])
+        need = self.num_blocks_needed(num_computed_tokens + num_new_tokens) - len(table) - len(prefix.blocks)
         need = max(need, 0)
-        idle_hits = sum(1 for b in hits if b.ref_cnt == 0)  # attaching them takes them off the free queue
+        idle_hits = sum(1 for b in prefix.blocks if b.ref_cnt == 0)  # attaching them takes them off the free queue
         if need + idle_hits > self.pool.num_free_blocks:
             return False
-        for block in hits:
+        table = self._tables.setdefault(request.request_id, table)
+        for block in prefix.blocks:
             self.pool.touch(block, request.request_id, request.scope)
             table.append(BlockRef(block, block.generation))
         for block in self.pool.allocate(need, request.request_id, request.scope):
             table.append(BlockRef(block, block.generation))
         return True
 
-    def slot(self, request: Request, position: int) -> int:
-        ref = self.tables[request.request_id][position // self.block_size]
-        return ref.block.block_id * self.block_size + position % self.block_size
+    # -- what the runner and the auditor read ------------------------------------------------------
+    def slot_mapping(self, request: Request, start: int, num_tokens: int) -> list[int]:
+        """The flat pool slot of each position in [start, start + num_tokens)."""
+        bs, table = self.block_size, self._tables[request.request_id]
+        return [table[p // bs].block.block_id * bs + p % bs for p in range(start, start + num_tokens)]
 
-    def block_table(self, request: Request) -> list[int]:
-        return [ref.block.block_id for ref in self.tables.get(request.request_id, [])]
+    def block_table(self, request: Request, num_tokens: int | None = None) -> list[int]:
+        """Block ids of the request's table, those that hold positions [0, num_tokens) when given."""
+        table = self._tables.get(request.request_id, [])
+        n = len(table) if num_tokens is None else self.num_blocks_needed(num_tokens)
+        return [ref.block.block_id for ref in table[:n]]
+
+    def held_blocks(self, request: Request) -> tuple[BlockRef, ...]:
+        """The request's block lives, in position order (read-only: the auditor's view)."""
+        return tuple(self._tables.get(request.request_id, ()))
+
+    def num_held_blocks(self) -> int:
+        return sum(len(t) for t in self._tables.values())
 
     # -- after the forward --------------------------------------------------------------------------
     def commit(self, request: Request, start: int, num_new_tokens: int) -> None:
         """Record the tokens whose K/V the forward just wrote at [start, start + n); seal full blocks."""
         bs = self.block_size
-        table = self.tables[request.request_id]
-        touched: set[int] = set()
+        table = self._tables[request.request_id]
+        touched: list[int] = []
         for pos in range(start, start + num_new_tokens):
-            block = table[pos // bs].block
-            off = pos % bs
-            if off < len(block.tokens):
-                block.tokens[off] = request.token_ids[pos]  # only a shared block is written twice
-                del block.tokens[off + 1 :]
-            else:
-                if self.write_shared:  # another writer may have cut the block short
-                    block.tokens.extend([-1] * (off - len(block.tokens)))
-                assert off == len(block.tokens), f"block {block.block_id}: write at {off} after {len(block.tokens)}"
-                block.tokens.append(request.token_ids[pos])
-            touched.add(pos // bs)
-        for i in sorted(touched):
+            i = pos // bs
+            self.pool.record_write(table[i].block, pos % bs, request.token_ids[pos], shared_writers=self.write_shared)
+            if not touched or touched[-1] != i:
+                touched.append(i)
+        for i in touched:
             block = table[i].block
             self.pool.events.emit("written", block.block_id, request.request_id, request.scope, slots=len(block.tokens))
-            if len(block.tokens) == bs and block.state is BlockState.ALLOCATED and block.writer == request.request_id:
-                if self.enable_prefix_caching:
-                    keys = self.update_block_keys(request)
-                    if i < len(keys):
-                        self.pool.seal(block, keys[i])
-            elif self.write_shared and block.state is BlockState.ALLOCATED and self.enable_prefix_caching:
+            if not self.enable_prefix_caching or block.state is not BlockState.ALLOCATED:
+                continue
+            if len(block.tokens) == bs and block.writer == request.request_id:
                 keys = self.update_block_keys(request)
-                self.partial_index[(keys[i - 1] if i else None, request.scope)] = block
+                if i < len(keys):
+                    self.pool.seal(block, keys[i])
+            elif self.write_shared:
+                keys = self.update_block_keys(request)
+                self._partial_index[(keys[i - 1] if i else None, request.scope)] = block
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail first (so the tail is evicted first)."""
-        table = self.tables.pop(request.request_id, [])
-        for ref in table if self.partial_index else ():
-            for k, v in list(self.partial_index.items()):
-                if v is ref.block and v.writer == request.request_id:
-                    del self.partial_index[k]
+        table = self._tables.pop(request.request_id, [])
+        if self._partial_index:
+            mine = {id(ref.block) for ref in table}
+            for k, v in list(self._partial_index.items()):
+                if id(v) in mine and v.writer == request.request_id:
+                    del self._partial_index[k]
         self.pool.release((ref.block for ref in reversed(table)), holder=request.request_id)
-
-    def num_held_blocks(self) -> int:
-        return sum(len(t) for t in self.tables.values())

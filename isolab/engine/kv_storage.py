@@ -21,6 +21,12 @@ def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype) -> in
     return hp.num_layers * 2 * block_size * hp.num_kv_heads * hp.head_dim * elem
 
 
+def kv_cache_memory_for(hp: LlamaHParams, block_size: int, dtype: torch.dtype, usable_blocks: int) -> int:
+    """The kv_cache_memory that gives a pool of exactly `usable_blocks` blocks requests can hold:
+    the pool keeps one block more, the null block (block_pool.py), that no request ever holds."""
+    return bytes_per_block(hp, block_size, dtype) * (usable_blocks + 1)
+
+
 class KVStorage:
     def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size

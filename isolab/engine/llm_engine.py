@@ -1,25 +1,33 @@
-"""Owns the engine loop: add_request / step / abort over the scheduler, model runner and sampler.
+"""Owns the engine loop: add_request / step / abort over the scheduler and the model runner.
 
-    step():  schedule -> (audit) -> execute -> commit K/V bookkeeping -> sample -> stop checks
+    step():  scheduler.schedule() -> SchedulerOutput
+             (audit mode: the auditor checks every chunk's reads and writes; a violation aborts
+              that request before anything is computed)
+             runner.execute(SchedulerOutput) -> ModelRunnerOutput   (forward + sampling)
+             scheduler.update(SchedulerOutput, ModelRunnerOutput) -> finished requests
+                 (commit K/V bookkeeping, num_computed_tokens, output tokens, stop checks)
+             -> one RequestOutput per sampled token
 
-Single-threaded by design: one caller drives step(). The server runs it in one thread.
+Builds the components from the config and hands each its faults (isolab.faults) once. Single-
+threaded by design: one caller drives step(). The server runs it in one thread.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from isolab.config import EngineConfig
 from isolab.engine.audit import Auditor
 from isolab.engine.block_pool import BlockPool
+from isolab.engine.detokenize import Detokenizer
 from isolab.engine.events import EventSink, JsonlSink, NullSink
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage, bytes_per_block
 from isolab.engine.model_runner import ModelRunner
 from isolab.engine.request import Request, RequestStatus, TokenLogprob
-from isolab.engine.sampler import make_generator, sample
-from isolab.engine.scheduler import Scheduler, SchedulerOutput
+from isolab.engine.sampler import make_generator
+from isolab.engine.scheduler import Scheduler
+from isolab.engine.step import SchedulerOutput
 from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError
 from isolab.models.bundle import ModelBundle, load_bundle
 from isolab.sampling_params import SamplingParams
@@ -42,8 +50,9 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None) -> None:
         self.config = config = config or EngineConfig()
+        faults = config.faults
         # FAULT batch-variant-gemm: a GEMM whose reduction order changes with M, kept whatever the check says.
-        gemm = "split-k" if "batch-variant-gemm" in config.inject_faults else config.gemm
+        gemm = "split-k" if faults.batch_variant_gemm else config.gemm
         if bundle is not None and gemm is not None and bundle.model.numerics.gemm_path != gemm:
             bundle = load_bundle(bundle.path, bundle.dtype, str(bundle.model.device), gemm)  # type: ignore[arg-type]
         self.bundle = bundle or load_bundle(config.model, config.dtype, config.device, gemm)  # type: ignore[arg-type]
@@ -65,7 +74,7 @@ class LLMEngine:
             num_blocks,
             storage=self.storage,
             audit=config.audit,
-            invalidate_on_reuse="reuse-without-invalidate" not in config.inject_faults,
+            faults=faults,
             events=self.events,
         )
         self.kv = KVCacheManager(
@@ -74,17 +83,12 @@ class LLMEngine:
             weights_fingerprint=self.bundle.fingerprint,
             dtype=config.dtype,
             enable_prefix_caching=cc.enable_prefix_caching,
-            faults=config.inject_faults,
+            faults=faults,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.storage, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, faults)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
-        # FAULT shared-rng: one generator for every request (seeded once, at start).
-        self.shared_generator = (
-            make_generator(0, self.model.device) if "shared-rng" in config.inject_faults else None
-        )
         self.requests: dict[str, Request] = {}
-        self._arrival = itertools.count()
         self.step_count = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -118,9 +122,11 @@ class LLMEngine:
                 f"cache holds {self.pool.num_usable_blocks}: it can never fit; raise kv_cache_memory",
                 field="prompt",
             )
-        req = Request(request_id, list(prompt_token_ids), params, cache_scope, next(self._arrival))
-        if self.shared_generator is None and not params.greedy:
+        req = Request(request_id, list(prompt_token_ids), params, cache_scope)
+        if not params.greedy:
             req.generator = make_generator(params.seed, self.model.device)
+        if params.stop:
+            req.detokenizer = Detokenizer(self.tokenizer)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_prompt_tokens += n
@@ -134,8 +140,12 @@ class LLMEngine:
         return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        """The one way a request ends: blocks freed, forgotten by the engine and the auditor."""
+        """Abort or audit failure: the scheduler ends the request (blocks freed), then we forget it."""
         self.scheduler.finish(req, status)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """The one way an ended request leaves the engine and the auditor."""
         self.requests.pop(req.request_id, None)
         if self.auditor:
             self.auditor.forget(req.request_id)
@@ -162,51 +172,27 @@ class LLMEngine:
         if not out.chunks:
             return outputs
         result = self.runner.execute(out)
-        for ch in out.chunks:
-            self.kv.commit(ch.request, ch.start, ch.num_new_tokens)
-            ch.request.num_computed_tokens = ch.start + ch.num_new_tokens
-        sampling = [out.chunks[i].request for i in result.sample_chunk_indices]
-        for req, (token, lp) in zip(sampling, sample(result.logits, sampling, self.shared_generator), strict=True):
-            req.append_output(token, lp)
-            self.num_generated_tokens += 1
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-            outputs.append(self._output(req, (token,), (lp,) if lp else ()))
+        finished = self.scheduler.update(out, result)
+        for s in result.sampled:
+            req = self.requests[s.request_id]
+            outputs.append(self._output(req, (s.token_id,), (s.logprob,) if s.logprob else ()))
+        for req in finished:
+            self._forget(req)
+        self.num_generated_tokens += len(result.sampled)
         return outputs
 
     def _audit(self, out: SchedulerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """Check every chunk before the forward; a violating request is aborted with the violation."""
         assert self.auditor is not None
-        keep, failed = [], []
-        for ch in out.chunks:
-            v = self.auditor.check_chunk(ch)
-            if v is None:
-                keep.append(ch)
-            else:
-                failed.append((ch.request, v))
+        # every chunk is checked against the state the forward would see, before any abort frees blocks
+        verdicts = [(ch.request, self.auditor.check_chunk(ch)) for ch in out.chunks]
         outputs = []
-        for req, v in failed:
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(req, (), (), error=v))
-        return SchedulerOutput(tuple(keep), out.preempted_ids, out.num_batched_tokens), outputs
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.params
-        if not p.ignore_eos and token == self.tokenizer.eos_token_id:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in p.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if p.stop:
-            text = self.tokenizer.decode(req.output_token_ids)
-            for s in p.stop:
-                if s in text:
-                    req.stop_reason = s
-                    return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        for req, v in verdicts:
+            if v is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(req, (), (), error=v))
+        failed = {req.request_id for req, v in verdicts if v is not None}
+        return (out.without(failed) if failed else out), outputs
 
     def _output(
         self,

@@ -1,6 +1,10 @@
-"""Owns turning a SchedulerOutput into tensors, running the forward on the paged cache, and logits.
+"""Owns turning a SchedulerOutput into tensors, the forward on the paged cache, logits and sampling.
 
     SchedulerOutput -> (token ids, positions, slot mapping, block tables) -> model -> logits
+        -> sampler (each request's own generator) -> ModelRunnerOutput
+
+Reads requests and asks the cache manager for slots and block tables; writes no request and no
+block bookkeeping (Scheduler.update commits what was computed).
 
 Native path (CPU): every row hands the kernel its chunk's block table and its position; the
 kernel reads keys 0..position in place, one row at a time, so a row's bits never depend on what
@@ -20,7 +24,9 @@ import torch
 from isolab import kernels
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage
-from isolab.engine.scheduler import SchedulerOutput
+from isolab.engine.sampler import make_generator, sample
+from isolab.engine.step import ModelRunnerOutput, SampledToken, SchedulerOutput
+from isolab.faults import Faults
 from isolab.models.attention import KEY_PAD, attention_core, causal_hidden, gather_kv, write_kv
 from isolab.models.llama import LlamaModel
 
@@ -75,18 +81,22 @@ class PagedAttention:
 
 
 @dataclass(frozen=True)
-class ForwardResult:
-    logits: torch.Tensor  # (M, V) float32, one row per sampling chunk, in chunk order
-    sample_chunk_indices: tuple[int, ...]  # which chunks the rows belong to
+class StepInputs:
+    token_ids: torch.Tensor  # (N,) the tokens computed this step, chunk after chunk
+    positions: torch.Tensor  # (N,) their absolute positions
+    attn: PagedAttention  # where each row's K/V go and which keys it reads
+    last_rows: torch.Tensor | None  # (M,) the row of each sampling chunk's last token; None if none samples
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager) -> None:
+    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, faults: Faults = Faults()) -> None:
         self.model = model
         self.storage = storage
         self.kv = kv
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
+        # FAULT shared-rng: one generator for every request (seeded once, at start); read only here.
+        self.shared_generator = make_generator(0, model.device) if faults.shared_rng else None
 
     def _group(self, rows: torch.Tensor, q_pos: torch.Tensor, tables: list[list[int]]) -> AttentionGroup:
         # Pad every table to the same number of blocks, and the key count to a multiple of KEY_PAD.
@@ -97,42 +107,57 @@ class ModelRunner:
         planes = torch.arange(2 * self.model.hp.num_kv_heads, device=self.device).view(-1, 1) * self.storage.num_blocks
         return AttentionGroup(rows, q_pos, (planes + ids).view(-1), nb, causal_hidden(q_pos, nb * bs))
 
-    def execute(self, out: SchedulerOutput) -> ForwardResult:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute every chunk's K/V into the pool, and sample one token for each sampling chunk."""
+        logits = self.forward(out)  # (M, V) float32: one row per sampling chunk, in chunk order
+        sampling = [ch.request for ch in out.chunks if ch.samples]
+        if not sampling:
+            return ModelRunnerOutput(())
+        drawn = sample(logits, sampling, self.shared_generator)
+        return ModelRunnerOutput(tuple(
+            SampledToken(req.request_id, token, lp) for req, (token, lp) in zip(sampling, drawn, strict=True)
+        ))
+
+    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+        """(M, V) float32 logits of the last row of each sampling chunk, in chunk order."""
+        inputs = self.prepare(out)
+        hidden = self.model.forward(inputs.token_ids, inputs.positions, inputs.attn)  # (N, D)
+        if inputs.last_rows is None:
+            return torch.empty(0, self.model.hp.vocab_size)
+        return self.model.logits(hidden[inputs.last_rows])
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's tensors: what the forward reads, built from the chunks and the cache manager."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []  # the context blocks of each chunk
         row_chunk: list[int] = []  # native path: the chunk of each row
         last_rows: list[int] = []
-        sample_idx: list[int] = []
-        native = self.model.native_kernels
         dev = self.device
         for ci, ch in enumerate(out.chunks):
             req = ch.request
-            pos = range(ch.start, ch.start + ch.num_new_tokens)
-            token_ids.extend(req.token_ids[ch.start : ch.start + ch.num_new_tokens])
-            positions.extend(pos)
-            slots.extend(self.kv.slot(req, p) for p in pos)
-            tables.append(self.kv.block_table(req)[: self.kv.num_blocks_needed(ch.start + ch.num_new_tokens)])
+            token_ids.extend(req.token_ids[ch.start : ch.end])
+            positions.extend(range(ch.start, ch.end))
+            slots.extend(self.kv.slot_mapping(req, ch.start, ch.num_new_tokens))
+            tables.append(self.kv.block_table(req, ch.end))
             row_chunk.extend([ci] * ch.num_new_tokens)
             if ch.samples:
                 last_rows.append(len(token_ids) - 1)
-                sample_idx.append(ci)
-        if native:
+        slot_mapping = torch.tensor(slots, device=dev)
+        if self.model.native_kernels:
             width = max(len(t) for t in tables)
-            attn = PagedAttention(self.storage, torch.tensor(slots, device=dev), self.scale, NativeTables(
+            attn = PagedAttention(self.storage, slot_mapping, self.scale, NativeTables(
                 torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
                 torch.tensor(row_chunk, dtype=torch.int32, device=dev),
                 torch.tensor(positions, dtype=torch.int32, device=dev),
             ), [])
         else:
-            attn = PagedAttention(self.storage, torch.tensor(slots, device=dev), self.scale, None,
-                                  self._torch_groups(out, tables))
-        hidden = self.model.forward(torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn)
-        if not last_rows:
-            return ForwardResult(torch.empty(0, self.model.hp.vocab_size), ())
-        logits = self.model.logits(hidden[torch.tensor(last_rows, device=dev)])
-        return ForwardResult(logits, tuple(sample_idx))
+            attn = PagedAttention(self.storage, slot_mapping, self.scale, None, self._torch_groups(out, tables))
+        return StepInputs(
+            torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn,
+            torch.tensor(last_rows, device=dev) if last_rows else None,
+        )
 
     def _torch_groups(self, out: SchedulerOutput, tables: list[list[int]]) -> list[AttentionGroup]:
         """One group per chunk, decode rows included: a chunk attends over its own blocks alone, at

@@ -2,7 +2,7 @@
 
 There is no prefill or decode phase: `num_computed_tokens` catches up with `num_tokens`
 (prompt + output so far); a step computes some of the missing tokens, and a token is sampled
-whenever the two meet.
+whenever the two meet. Only the scheduler writes the fields that change during a request's life.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from isolab.engine.detokenize import Detokenizer
 from isolab.engine.hashing import BlockKey
 from isolab.sampling_params import SamplingParams
 
@@ -41,7 +42,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     scope: str | None  # cache scope: blocks are shared only between requests of one scope
-    arrival_seq: int  # FIFO order of admission; preemption evicts the latest first
     # prompt + output, appended as tokens are sampled. Invariant: len == num_tokens.
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +53,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None  # this request's own RNG (C17)
+    detokenizer: Detokenizer | None = None  # set iff params.stop: the stop checker's text, O(1) a token
     # Keys of the request's full blocks, chained from the first (see hashing.py).
     block_keys: list[BlockKey] = field(default_factory=list)
 

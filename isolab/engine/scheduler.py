@@ -1,8 +1,12 @@
-"""Owns scheduling: which requests compute how many tokens this step, admission, and preemption.
+"""Owns scheduling: which requests compute how many tokens each step, admission, preemption,
+and applying a step's results (commit, num_computed_tokens, stop checks, finishing).
 
-Does not own blocks (kv_cache_manager.py) nor tensors (model_runner.py). The contract:
+Does not own blocks (kv_cache_manager.py) nor tensors (model_runner.py). The contract, in
+LLMEngine.step:
 
-    schedule() -> SchedulerOutput -> ModelRunner.execute -> ModelRunnerOutput -> update()
+    schedule() -> SchedulerOutput -> ModelRunner.execute -> ModelRunnerOutput -> update() -> finished
+
+The scheduler is the only writer of a request's num_computed_tokens, status and output.
 
 There is no prefill or decode phase. Each running request computes min(missing, budget) tokens,
 where missing = num_tokens - num_computed_tokens; prompt chunks and decode tokens share one
@@ -11,7 +15,9 @@ token budget per step. Ordering rules, applied in schedule():
   2. when blocks run out, the newest running request is preempted (its blocks freed, its
      num_computed_tokens reset to 0; it recomputes prompt + output later and, having its own
      RNG, produces exactly what it would have);
-  3. waiting requests are admitted in FIFO order, only if nothing was preempted this step.
+  3. waiting requests are admitted in FIFO order, only if nothing was preempted this step; a
+     prefix-cache hit (CachedPrefix) goes from the lookup to the allocation untouched, and
+     num_computed_tokens is set only once the allocation succeeded.
 """
 
 from __future__ import annotations
@@ -22,31 +28,16 @@ from dataclasses import dataclass, field
 from isolab.config import SchedulerConfig
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # num_computed_tokens before this step: the first position computed
-    num_new_tokens: int  # tokens [start, start + num_new_tokens) are computed this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]
-    preempted_ids: tuple[str, ...] = ()
-    num_batched_tokens: int = 0
+from isolab.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from isolab.engine.stop import check_stop
 
 
 @dataclass
 class Scheduler:
     config: SchedulerConfig
     kv: KVCacheManager
+    eos_token_id: int | None
+    max_model_len: int
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
@@ -57,11 +48,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        scheduled_ids: set[str] = set()
+        preempted = False
 
         # 1. running requests, oldest first
         i = 0
@@ -69,15 +60,14 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0, f"request {req.request_id} is running with nothing to compute"
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, req.num_computed_tokens, n):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted = True
                 if victim is req:
                     break
             else:
                 chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-                scheduled_ids.add(req.request_id)
                 budget -= n
                 i += 1
                 continue
@@ -86,24 +76,21 @@ class Scheduler:
         # 3. waiting requests, FIFO, only when nothing was preempted
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_hit
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
-                req.num_computed_tokens = 0
+            prefix = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - prefix.num_tokens, budget)
+            if not self.kv.allocate_slots(req, prefix.num_tokens, n, prefix):
                 break
-            self.kv.count_admission(req, num_hit)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_hit
+            self.kv.count_admission(req, prefix)
             self.waiting.popleft()
+            req.num_computed_tokens = prefix.num_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = prefix.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, num_hit, n))
+            chunks.append(ScheduledChunk(req, prefix.num_tokens, n))
             budget -= n
 
-        return SchedulerOutput(
-            tuple(chunks), tuple(preempted), self.config.max_num_batched_tokens - budget
-        )
+        return SchedulerOutput(tuple(chunks))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -113,6 +100,41 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    # -- update -----------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply an executed step: commit every chunk's K/V, append the sampled tokens, check stops.
+
+        Returns the requests that finished in this step (their blocks are already freed).
+        """
+        for ch in out.chunks:
+            self.kv.commit(ch.request, ch.start, ch.num_new_tokens)
+            ch.request.num_computed_tokens = ch.end
+        sampling = [ch.request for ch in out.chunks if ch.samples]
+        finished: list[Request] = []
+        for req, s in zip(sampling, result.sampled, strict=True):
+            assert req.request_id == s.request_id
+            req.append_output(s.token_id, s.logprob)
+            if self._check_stop(req, s.token_id):
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        text, new_len = "", 0
+        if req.detokenizer is not None:  # only requests with stop strings decode here
+            det = req.detokenizer
+            new = det.decode((token,))
+            # what a full decode shows now; only its last new + pending characters are unchecked
+            text, new_len = det.text + det.pending, len(new) + len(det.pending)
+        decision = check_stop(
+            req.params, token, num_output_tokens=len(req.output_token_ids), num_tokens=req.num_tokens,
+            eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, text=text, new_text_len=new_len,
+        )
+        if decision is None:
+            return False
+        req.stop_reason = decision.reason
+        self.finish(req, decision.status)
+        return True
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks at once."""

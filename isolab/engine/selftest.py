@@ -17,24 +17,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
-from isolab.engine.faults import FAULTS
 from isolab.engine.hashing import ExtraKeys, block_key, weak
-from isolab.engine.kv_storage import bytes_per_block
-from isolab.engine.llm_engine import LLMEngine
+from isolab.faults import FAULTS
 from isolab.models.bundle import ModelBundle
 from isolab.sampling_params import SamplingParams
+from isolab.testing.workload import Arrival, Finished, drive, make_engine, run_alone
 
 BS = 16
-
-
-@dataclass(frozen=True)
-class Arrival:
-    step: int
-    rid: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    scope: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,44 +120,23 @@ SCENARIOS: tuple[Scenario, ...] = (
 assert {s.fault for s in SCENARIOS} == set(FAULTS)
 
 
-def make_engine(bundle: ModelBundle, kv_blocks: int, *, faults: frozenset[str] = frozenset(), audit: bool = False,
-                prefix: bool = True) -> LLMEngine:
-    per_block = bytes_per_block(bundle.hparams, BS, bundle.model.dtype)
-    cfg = EngineConfig(
-        model=str(bundle.path), dtype=bundle.dtype, cache=CacheConfig(BS, per_block * (kv_blocks + 1), prefix),
-        scheduler=SchedulerConfig(16, 256), audit=audit, inject_faults=faults,
-    )
-    return LLMEngine(cfg, bundle)
+# (bundle, scenario, seed) -> the solo runs; the bundle is kept so that its id is not reused.
+_REFERENCES: dict[tuple[int, str, int], tuple[ModelBundle, dict[str, Finished]]] = {}
 
 
-def _drive(eng: LLMEngine, arrivals: list[Arrival], check_invariants: bool) -> tuple[dict, dict, list[str]]:
-    pending = sorted(arrivals, key=lambda a: a.step)
-    tokens: dict[str, tuple[tuple[int, float], ...]] = {}  # (token, logprob) per output position
-    cached: dict[str, int] = {}
-    seen: dict[str, list[tuple[int, float]]] = {}
-    problems: list[str] = []
-    step = 0
-    while pending or eng.has_unfinished():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            eng.add_request(a.rid, list(a.prompt), a.params, a.scope)
-        for o in eng.step():
-            seen.setdefault(o.request_id, []).extend((lp.token_id, lp.logprob) for lp in o.new_logprobs)
-            if o.error is not None:
-                problems.append(f"audit: {o.error}")
-                continue
-            if o.finished:
-                tokens[o.request_id] = tuple(seen[o.request_id])
-                cached[o.request_id] = o.num_cached_tokens
-        if check_invariants:
-            try:
-                eng.pool.check_invariants()
-            except AssertionError as exc:
-                problems.append(f"invariants: step {step}: {exc}")
-                check_invariants = False  # report the first breach only
-        step += 1
-        assert step < 10_000, "scenario did not finish"
-    return tokens, cached, problems
+def reference(bundle: ModelBundle, sc: Scenario, seed: int = 0) -> dict[str, Finished]:
+    """Each of the scenario's requests alone, one after another, on a healthy engine without a prefix
+    cache. It depends on neither the faults nor audit mode of the run it checks, so it is computed
+    once per bundle, scenario and seed, and shared by the healthy, faulty and audit runs."""
+    key = (id(bundle), sc.name, seed)
+    hit = _REFERENCES.get(key)
+    if hit is None or hit[0] is not bundle:
+        if len(_REFERENCES) >= 4 * len(SCENARIOS):
+            _REFERENCES.clear()
+        ref = make_engine(bundle, 64, prefix=False)
+        hit = _REFERENCES[key] = (bundle, run_alone(ref, sc.build(bundle, random.Random(seed))))
+        ref.close()
+    return hit[1]
 
 
 def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = frozenset(), *, audit: bool = False,
@@ -176,7 +144,15 @@ def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = fro
     arrivals = sc.build(bundle, random.Random(seed))
     report = Report(sc.name, tuple(sorted(faults)), audit)
     eng = make_engine(bundle, sc.kv_blocks, faults=faults, audit=audit)
-    tokens, cached, problems = _drive(eng, arrivals, check_invariants=True)
+    run = drive(eng, arrivals, check_invariants=True)
+    ok = {rid: f for rid, f in run.finished.items() if f.error is None}  # the others were aborted by audit
+    tokens = {rid: f.pairs() for rid, f in ok.items()}  # tokens and their logprobs, bit for bit
+    cached = {rid: f.num_cached_tokens for rid, f in ok.items()}
+    found = [(f.step, 0, f"audit: {f.error}") for f in run.finished.values() if f.error is not None]
+    if run.invariant_breach is not None:  # checked after the step's outputs
+        step, msg = run.invariant_breach
+        found.append((step, 1, f"invariants: step {step}: {msg}"))
+    problems = [p for _, _, p in sorted(found, key=lambda f: f[:2])]  # in the order they happened
     if not eng.model.numerics.invariant:
         problems.append(f"numerics: {eng.model.numerics.summary()}")
     for p in problems:
@@ -185,12 +161,11 @@ def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = fro
             report.caught_by.append(kind)
         report.details.append(p)
     # Reference: each request alone on a clean engine without a prefix cache.
-    ref = make_engine(bundle, 64, prefix=False)
+    alone = reference(bundle, sc, seed)
     for a in arrivals:
         if a.rid not in tokens:
             continue  # aborted by audit
-        alone, _, _ = _drive(ref, [Arrival(0, a.rid, a.prompt, a.params)], check_invariants=False)
-        got, want = tokens[a.rid], alone[a.rid]  # tokens and their logprobs, bit for bit
+        got, want = tokens[a.rid], alone[a.rid].pairs()
         if got != want:
             first = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
             wrong = sum(1 for g, w in zip(got[first:], want[first:], strict=False) if g != w)

@@ -18,8 +18,8 @@ import argparse
 import random
 from pathlib import Path
 
-from isolab.engine.selftest import Arrival, _drive
 from isolab.sampling_params import SamplingParams
+from isolab.testing.workload import Arrival, drive, make_engine
 
 KV_BLOCKS = 8
 
@@ -42,18 +42,12 @@ def arrivals(seed: int = 3) -> list[Arrival]:
 
 def run_traced(bundle, trace_path: str | Path, *, faults: frozenset[str] = frozenset(), audit: bool = False,  # noqa: ANN001
                kv_blocks: int = KV_BLOCKS) -> list[str]:
-    """Run the demo workload with the trace written to `trace_path`; returns the engine's problems."""
-    from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
-    from isolab.engine.kv_storage import bytes_per_block
-    from isolab.engine.llm_engine import LLMEngine
-
-    per_block = bytes_per_block(bundle.hparams, 16, bundle.model.dtype)
-    cfg = EngineConfig(model=str(bundle.path), dtype=bundle.dtype, cache=CacheConfig(16, per_block * (kv_blocks + 1), True),
-                       scheduler=SchedulerConfig(16, 256), audit=audit, inject_faults=faults, trace_path=str(trace_path))
-    eng = LLMEngine(cfg, bundle)
-    _, _, problems = _drive(eng, arrivals(), check_invariants=False)
+    """Run the demo workload with the trace written to `trace_path`; returns the engine's problems
+    (the errors, audit violations among them, that ended a request)."""
+    eng = make_engine(bundle, kv_blocks, audit=audit, faults=faults, trace_path=str(trace_path))
+    run = drive(eng, arrivals())
     eng.close()
-    return problems
+    return [f"audit: {err}" for _, err in run.errors()]
 
 
 def main(argv: list[str] | None = None) -> int:

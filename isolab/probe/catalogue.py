@@ -5,7 +5,7 @@ Measured by running `isolab probe` against `isolab serve --inject-fault NAME` (d
 
 from __future__ import annotations
 
-from isolab.engine.faults import FAULTS
+from isolab.faults import FAULTS
 
 # fault -> (the scenario that fails, or None when invisible from outside; how it shows / why not)
 FAULT_VISIBILITY: dict[str, tuple[str | None, str]] = {

@@ -13,8 +13,8 @@ from isolab.doctor.experiments import diagnose
 from isolab.doctor.http_target import HttpTarget
 from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, NUMERICS, SHARED_NOT_CACHE, judge
 from isolab.doctor.workload import builtin_workload
-from isolab.engine.faults import FAULTS
 from isolab.errors import InvalidRequestError
+from isolab.faults import FAULTS
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import torch
 
 from isolab.errors import IsolationViolation
 from isolab.sampling_params import SamplingParams
-from tests.engine.workload import engine
+from isolab.testing.workload import make_engine
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -24,7 +24,7 @@ def _finish(eng, rid: str, prompt: list[int]) -> list:
 
 @pytest.mark.parametrize("audit", [True, False])
 def test_a_freed_unsealed_block_is_poisoned_only_in_audit_mode(tiny_bundle, audit):
-    eng = engine(tiny_bundle, kv_blocks=8, audit=audit)
+    eng = make_engine(tiny_bundle, 8, audit=audit)
     eng.add_request("a", list(range(5, 25)), GREEDY)  # 20 prompt tokens: one sealed block + a tail
     eng.step()
     tail = eng.kv.block_table(eng.requests["a"])[-1]
@@ -34,7 +34,7 @@ def test_a_freed_unsealed_block_is_poisoned_only_in_audit_mode(tiny_bundle, audi
 
 
 def test_a_sealed_block_changed_behind_the_caches_back_is_named(tiny_bundle):
-    eng = engine(tiny_bundle, kv_blocks=8, audit=True)
+    eng = make_engine(tiny_bundle, 8, audit=True)
     prompt = list(range(5, 40))  # two sealed blocks of 16, then a tail
     _finish(eng, "writer", prompt)
     sealed = [b for b in eng.pool.blocks if b.checksum is not None]

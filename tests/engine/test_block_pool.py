@@ -8,6 +8,7 @@ from isolab.engine.block_pool import BlockPool, BlockState
 from isolab.engine.hashing import ExtraKeys, block_key, coarse_block_key, encode_str, weak
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.request import Request
+from isolab.faults import Faults
 from isolab.sampling_params import SamplingParams
 
 BS = 4
@@ -19,16 +20,15 @@ def mgr(num_blocks=12, **kw) -> KVCacheManager:
 
 
 def req(rid: str, tokens, scope=None) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=4), scope, 0)
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), scope)
 
 
 def run_prompt(m: KVCacheManager, r: Request) -> int:
     """Schedule the whole prompt at once, as the scheduler would on an empty engine."""
-    hits, n = m.get_computed_blocks(r)
-    r.num_computed_tokens = n
-    assert m.allocate_slots(r, r.num_tokens - n, hits)
+    prefix = m.get_computed_blocks(r)
+    n = prefix.num_tokens
+    assert m.allocate_slots(r, n, r.num_tokens - n, prefix)
     m.commit(r, n, r.num_tokens - n)
-    r.num_computed_tokens = r.num_tokens
     return n
 
 
@@ -105,7 +105,7 @@ def test_freed_blocks_are_invalidated_and_evicted_keys_forgotten():
 
 
 def test_reuse_without_invalidate_fault_leaves_a_stale_key():
-    pool = BlockPool(4, invalidate_on_reuse=False)
+    pool = BlockPool(4, faults=Faults(reuse_without_invalidate=True))
     m = KVCacheManager(pool, BS, weights_fingerprint="w", dtype="bf16")
     a = req("a", range(10))
     run_prompt(m, a)
@@ -129,9 +129,9 @@ def test_key_encoding_is_typed_and_unambiguous():
 def test_allocate_fails_cleanly_when_full():
     m = mgr(num_blocks=3)  # 2 usable
     a = req("a", range(8))
-    assert m.allocate_slots(a, 8)
+    assert m.allocate_slots(a, 0, 8)
     b = req("b", range(20, 24))
-    assert not m.allocate_slots(b, 4)
+    assert not m.allocate_slots(b, 0, 4)
     assert m.block_table(b) == []
     m.pool.check_invariants()
 
@@ -140,9 +140,9 @@ def test_prefix_cache_statistics_count_admissions_not_retries(tiny_bundle):
     """A waiting request that finds no room is looked up again every step; the hit-rate counters
     must count it once, when it is admitted."""
     from isolab.sampling_params import SamplingParams
-    from tests.engine.workload import engine
+    from isolab.testing.workload import make_engine
 
-    eng = engine(tiny_bundle, kv_blocks=4, max_seqs=8)
+    eng = make_engine(tiny_bundle, 4, max_seqs=8)
     p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.add_request("big", list(range(5, 65)), p)  # 60 + 4 tokens: exactly the 4 blocks
     eng.add_request("next", list(range(100, 116)), p)  # finds no free block until "big" ends

@@ -45,7 +45,7 @@ def test_filter_top_p_keeps_smallest_set():
 
 
 def test_logprobs_are_the_model_distribution(tiny_bundle):
-    r = Request("x", [1], SamplingParams(temperature=0.0, logprobs=3), None, 0)
+    r = Request("x", [1], SamplingParams(temperature=0.0, logprobs=3), None)
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     [(tok, lp)] = sample(logits, [r])
     ref = torch.log_softmax(logits[0], -1)

@@ -7,17 +7,15 @@ import json
 
 import pytest
 
-from isolab.engine.selftest import SCENARIOS, Arrival, _drive, make_engine
+from isolab.engine.selftest import SCENARIOS
 from isolab.lifecycle.trace import build, completeness, load
+from isolab.testing.workload import Arrival, drive, make_engine
 
 
 def _mixed(bundle, path, faults=frozenset(), audit=False, kv_blocks=8):
     import random
 
-    from isolab.engine.events import JsonlSink
-
-    eng = make_engine(bundle, kv_blocks, faults=faults, audit=audit)
-    eng.events = eng.pool.events = JsonlSink(str(path))  # the engine's own sink, pointed at a file
+    eng = make_engine(bundle, kv_blocks, faults=faults, audit=audit, trace_path=str(path))
     rng = random.Random(3)
     shared = tuple(rng.randrange(100, 250) for _ in range(40))
     arrivals = [
@@ -27,7 +25,7 @@ def _mixed(bundle, path, faults=frozenset(), audit=False, kv_blocks=8):
         Arrival(12, "D", shared + (104, 105, 106), _greedy(5)),
         Arrival(14, "E", tuple(rng.randrange(100, 250) for _ in range(50)), _greedy(6)),
     ]
-    _drive(eng, arrivals, check_invariants=True)
+    assert drive(eng, arrivals, check_invariants=True).invariant_breach is None
     eng.close()
     return load(path)
 
@@ -90,12 +88,9 @@ def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path):
     sc = next(s for s in SCENARIOS if s.fault == "reuse-without-invalidate")
     import random
 
-    from isolab.engine.events import JsonlSink
-
-    eng = make_engine(tiny_bundle, sc.kv_blocks, faults=frozenset([sc.fault]), audit=True)
     path = tmp_path / "fault.jsonl"
-    eng.events = eng.pool.events = JsonlSink(str(path))
-    _drive(eng, sc.build(tiny_bundle, random.Random(0)), check_invariants=False)
+    eng = make_engine(tiny_bundle, sc.kv_blocks, faults=frozenset([sc.fault]), audit=True, trace_path=str(path))
+    drive(eng, sc.build(tiny_bundle, random.Random(0)))
     eng.close()
     trace = load(path)
     assert trace.violations and trace.violations[0]["writer"], trace.violations

@@ -93,6 +93,7 @@ def _run_level(tmp_path, env_extra: dict[str, str], name: str) -> dict:
     return torch.load(target)
 
 
+@pytest.mark.slow  # a subprocess (and a kernel build) per level: 6-30 s
 def test_every_isa_level_gives_the_same_bits(tmp_path):
     """The kernels built for each level this CPU runs (generic SSE2 with software fma, AVX2+FMA,
     AVX-512, AVX-512 with AMX tiles, native): at every level a row's GEMM bits are the same at every

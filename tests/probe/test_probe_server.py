@@ -27,6 +27,7 @@ def healthy(long_tiny_bundle):
         yield url, run_probe_sync(ProbeConfig(url, api_keys=KEYS, seed=1))
 
 
+@pytest.mark.slow  # the whole probe against the server: 7-9 s (in the fixture)
 def test_healthy_isolab_passes_every_scenario(healthy):
     _, result = healthy
     assert {v.name: v.status for v in result.verdicts} == {n: Status.PASS for n in by_name(result)}
@@ -38,6 +39,7 @@ def test_healthy_isolab_passes_every_scenario(healthy):
     assert checks and all(c["kind"] == "identical" for c in checks)
 
 
+@pytest.mark.slow  # shares the whole probe run above
 def test_report_files(healthy, tmp_path):
     _, result = healthy
     out = write_report(result, tmp_path / "rep")
