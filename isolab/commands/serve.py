@@ -10,11 +10,14 @@ import argparse
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from isolab.commands.common import add_engine_args
+
+if TYPE_CHECKING:
+    from isolab.server.state import ServerState
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +52,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from isolab.engine.llm_engine import LLMEngine
     from isolab.server import ServerConfig, create_app, load_registry
+    from isolab.server.state import server_state
 
     # Keys and limits first: a misconfigured server refuses before spending seconds on the model.
     tenants = load_registry(args.api_keys, no_auth=args.no_auth)
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, tenants, config)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=args.drain_timeout, access_log=False)
-    server = DrainingServer(uv_config, app.state)
+    server = DrainingServer(uv_config, server_state(app))
     server.run()
     engine.close()
     return 0
@@ -72,7 +76,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server that marks the app as draining on the first SIGTERM/SIGINT; uvicorn then
     stops accepting and waits up to timeout_graceful_shutdown for the responses in flight."""
 
-    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.app_state = state
 

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVarTuple
 
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.errors import IsolabError, RequestAborted
@@ -33,13 +34,13 @@ class EngineRequest:
     params: SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Add:
     requests: tuple[EngineRequest, ...]
     cache_scope: str
@@ -48,7 +49,7 @@ class _Add:
     admitted: asyncio.Future[None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Abort:
     request_ids: tuple[str, ...]
 
@@ -202,7 +203,10 @@ class EngineLoop:
             _call(loop, _deliver, batch)
 
 
-def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:  # type: ignore[no-untyped-def]
+Ts = TypeVarTuple("Ts")
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[*Ts], None], *args: *Ts) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the event loop has closed: nobody is listening any more

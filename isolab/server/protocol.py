@@ -1,13 +1,15 @@
-"""Owns the wire format: pydantic models of the OpenAI requests and responses that we serve.
+"""Owns the wire format: the OpenAI requests (pydantic) and the replies (TypedDicts) that we serve.
 
 Requests ignore fields they do not know (clients send many); fields we know but do not implement
 are accepted only at their neutral value, so a client never silently gets something else.
-Responses are built as plain dicts by isolab.server.serving, following these shapes.
+Replies are plain JSON dicts typed by the TypedDicts below (key order is the wire order), built
+by isolab.server.formats and isolab.server.call; errors by isolab.server.errors. Does not know the
+engine or HTTP.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -18,7 +20,9 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class _Request(BaseModel):
+class BaseRequest(BaseModel):
+    """What completions and chat requests share: the sampling knobs and the refused fields."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="the served model's id; omitted means that model")
@@ -52,7 +56,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(BaseRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Literal[False] = Field(False, description="not supported: false only")
@@ -80,13 +84,110 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(BaseRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     tools: None = Field(None, description="not supported")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
+
+
+# -- replies ----------------------------------------------------------------------------------------
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobsBody(TypedDict):
+    """The legacy completions logprobs: four parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobsBody(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionChoice(TypedDict):
+    """A completions choice; a streamed chunk's choice has the same shape (text = the delta)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobsBody | None
+    finish_reason: str | None
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobsBody | None
+    finish_reason: str | None
+
+
+class ChatDelta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChunkChoice(TypedDict):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobsBody | None
+    finish_reason: str | None
+
+
+FinalChoice = CompletionChoice | ChatChoice
+ChunkChoice = CompletionChoice | ChatChunkChoice
+
+
+class Reply(TypedDict):
+    """The non-streamed body: object "text_completion" or "chat.completion"."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[FinalChoice]
+    usage: Usage
+
+
+class Chunk(TypedDict):
+    """One server-sent event: one choice's piece, or (the last, with include_usage) no choice and the usage."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: NotRequired[Usage]
 
 
 class ErrorInfo(BaseModel):
@@ -112,6 +213,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-_Request.model_rebuild()
+BaseRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()

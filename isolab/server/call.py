@@ -1,0 +1,117 @@
+"""Owns one HTTP request in flight: its choices, the engine outputs folded into them, its usage.
+
+    RequestOutput -> Call.consume -> the choice's text (Detokenizer) and counts
+                                  -> its Format's chunk piece (text delta and/or logprobs)
+
+A choice is one engine request. Call also counts what it sees into the server's metrics (first
+token, tokens, finish reasons, latency). Does not know HTTP, admission or tenants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from isolab.engine.detokenize import Detokenizer
+from isolab.engine.llm_engine import RequestOutput
+from isolab.engine.request import TokenLogprob
+from isolab.server.formats import ChoiceFormat, Format
+from isolab.server.metrics import ServerMetrics
+from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
+
+
+@dataclass
+class Choice:
+    # Mutable: it accumulates its engine request's outputs.
+    index: int
+    request_id: str
+    text: Detokenizer
+    out: ChoiceFormat
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Call:
+    # Mutable: choices fill in as outputs arrive; `done` once its clean-up has run.
+    fmt: Format[Any]
+    response_id: str
+    created: int
+    model: str
+    prompt_lengths: list[int]
+    choices: list[Choice]
+    stream: bool
+    include_usage: bool
+    arrival: float  # time.monotonic() when its engine requests were built
+    metrics: ServerMetrics
+    first_token_at: float | None = None
+    done: bool = False
+    by_request: dict[str, Choice] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_request = {c.request_id: c for c in self.choices}
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [c.request_id for c in self.choices if c.finish_reason is None]
+
+    @property
+    def cached_tokens(self) -> int:
+        # the first choice of each prompt (later choices share what it wrote)
+        n = len(self.choices) // len(self.prompt_lengths)
+        return sum(self.choices[i * n].num_cached_tokens for i in range(len(self.prompt_lengths)))
+
+    def usage(self) -> Usage:
+        prompt = sum(self.prompt_lengths)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def consume(self, o: RequestOutput) -> tuple[Choice, ChunkChoice | None]:
+        """Fold one output into its choice; returns (the choice, its chunk piece if any)."""
+        c = self.by_request[o.request_id]
+        delta = ""
+        lps: Sequence[TokenLogprob] = ()
+        if o.new_token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(self.first_token_at - self.arrival)
+            c.num_tokens += len(o.new_token_ids)
+            c.num_cached_tokens = o.num_cached_tokens
+            self.metrics.generation_tokens.inc(len(o.new_token_ids))
+            delta = c.text.push(o.new_token_ids)
+            lps = o.new_logprobs
+        if o.finished:
+            delta += c.text.finish()
+            c.finish_reason = o.finish_reason or "stop"
+            if o.error is not None or o.finish_reason == "error":
+                c.error = "the engine failed this request" if o.finish_reason == "error" else str(o.error)
+            self.metrics.requests_finished.labels(c.finish_reason).inc()
+        return c, c.out.delta(delta, lps)
+
+    def observe_done(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    def reply(self) -> Reply:
+        return {"id": self.response_id, "object": self.fmt.object, "created": self.created, "model": self.model,
+                "choices": [c.out.final(c.text.sent, c.finish_reason) for c in self.choices], "usage": self.usage()}
+
+    def chunk(self, choice: ChunkChoice) -> Chunk:
+        return {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> Chunk:
+        return {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}

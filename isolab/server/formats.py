@@ -1,0 +1,208 @@
+"""Owns what differs between /v1/completions and /v1/chat/completions: two Formats.
+
+    Format.plan(body)        -> Plan: the prompts' token ids (checked), max_tokens, logprobs
+    Format.choice(index, logprobs) -> ChoiceFormat: one choice's opening / delta / finish
+                                      chunk pieces and its final choice; keeps its logprobs
+    id_prefix, object, chunk_object: the names in the reply
+
+Limits holds the checks both share (prompt length, max_tokens). Does not know the engine loop,
+tenants or HTTP; the checks a request fails raise ApiError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from isolab.engine.request import TokenLogprob
+from isolab.errors import InvalidRequestError
+from isolab.models.tokenizer import Tokenizer
+from isolab.server.errors import ApiError, api_error
+from isolab.server.outputs import ChatLogprobs, CompletionLogprobs
+from isolab.server.protocol import (
+    BaseRequest,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChunkChoice,
+    CompletionChoice,
+    CompletionRequest,
+    FinalChoice,
+)
+from isolab.server.settings import ServerConfig
+
+BodyT_contra = TypeVar("BodyT_contra", bound=BaseRequest, contravariant=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a checked body asks of the engine, the same for every choice."""
+
+    prompts: tuple[tuple[int, ...], ...]  # token ids, one entry per prompt (n choices each)
+    max_tokens: int
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+
+
+class ChoiceFormat(Protocol):
+    """One choice's pieces of the reply; keeps its logprobs so far (for the final choice)."""
+
+    def opening(self) -> ChunkChoice | None: ...  # streamed before any token
+
+    # one output's text delta and logprobs; None when there is nothing to send
+    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> ChunkChoice | None: ...
+
+    def finish(self, reason: str) -> ChunkChoice: ...
+
+    def final(self, text: str, reason: str | None) -> FinalChoice: ...
+
+
+class Format(Protocol[BodyT_contra]):
+    """One endpoint's format: its body becomes a Plan; each choice gets a ChoiceFormat."""
+
+    id_prefix: str  # response ids: "<prefix>-<hex>"
+    object: str  # the non-streamed reply's object
+    chunk_object: str  # a streamed chunk's object
+
+    def plan(self, body: BodyT_contra) -> Plan: ...
+
+    def choice(self, index: int, logprobs: bool) -> ChoiceFormat: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's limits on a prompt and on max_tokens, as 400s naming the field."""
+
+    config: ServerConfig
+    max_model_len: int
+
+    def check_prompt(self, ids: Sequence[int]) -> None:
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit}",
+                           param="prompt", code="context_length_exceeded")
+
+    def max_tokens(self, requested: int | None, default: int, prompt_len: int | None) -> int:
+        limit = self.config.max_tokens_limit
+        if requested is not None:
+            if requested > limit:
+                raise ApiError(400, f"max_tokens is {requested}; this server allows at most {limit}", param="max_tokens")
+            return requested
+        value = min(default, limit)
+        if prompt_len is not None:  # room left in the context, so a long chat still gets an answer
+            value = max(1, min(value, self.max_model_len - prompt_len))
+        return value
+
+
+# -- completions ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompletionFormat:
+    tok: Tokenizer
+    limits: Limits
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def plan(self, body: CompletionRequest) -> Plan:
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, "best_of is not supported beyond best_of == n", param="best_of")
+        prompts = self._prompts(body.prompt)
+        max_tokens = self.limits.max_tokens(body.max_tokens, self.limits.config.default_completion_max_tokens, None)
+        return Plan(prompts, max_tokens, body.logprobs)
+
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[tuple[int, ...], ...]:
+        if isinstance(prompt, str):
+            raw: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            raw = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            raw = list(prompt)  # type: ignore[arg-type]
+        if not raw:
+            raise ApiError(400, "the prompt list is empty", param="prompt")
+        if len(raw) > self.limits.config.max_prompts:
+            raise ApiError(400, f"at most {self.limits.config.max_prompts} prompts per request", param="prompt")
+        out = []
+        for p in raw:
+            ids = self.tok.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise ApiError(400, "a prompt is empty: send at least one token", param="prompt")
+            self.limits.check_prompt(ids)
+            out.append(tuple(ids))
+        return tuple(out)
+
+    def choice(self, index: int, logprobs: bool) -> _CompletionChoice:
+        return _CompletionChoice(index, CompletionLogprobs(self.tok) if logprobs else None)
+
+
+@dataclass(frozen=True)
+class _CompletionChoice:
+    index: int
+    logprobs: CompletionLogprobs | None
+
+    def opening(self) -> None:
+        return None
+
+    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> CompletionChoice | None:
+        lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
+        if not text and lp is None:
+            return None
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": None}
+
+    def finish(self, reason: str) -> CompletionChoice:
+        return {"index": self.index, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def final(self, text: str, reason: str | None) -> CompletionChoice:
+        lp = self.logprobs.total if self.logprobs is not None else None
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+
+# -- chat -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatFormat:
+    tok: Tokenizer
+    limits: Limits
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def plan(self, body: ChatCompletionRequest) -> Plan:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = self.tok.apply_chat_template(messages)
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
+        self.limits.check_prompt(ids)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
+        return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+
+    def choice(self, index: int, logprobs: bool) -> _ChatChoice:
+        return _ChatChoice(index, ChatLogprobs(self.tok) if logprobs else None)
+
+
+@dataclass(frozen=True)
+class _ChatChoice:
+    index: int
+    logprobs: ChatLogprobs | None
+
+    def opening(self) -> ChatChunkChoice:
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> ChatChunkChoice | None:
+        lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
+        if not text and lp is None:
+            return None
+        return {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+
+    def finish(self, reason: str) -> ChatChunkChoice:
+        return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def final(self, text: str, reason: str | None) -> ChatChoice:
+        lp = self.logprobs.total if self.logprobs is not None else None
+        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": reason}

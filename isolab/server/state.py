@@ -1,0 +1,43 @@
+"""Owns ServerState: what one app holds (engine loop, tenants, config, metrics, serving), typed.
+
+create_app builds it and puts it where Starlette keeps `app.state`; the server's code reads it
+through server_state(app) (the gate gets it directly). `app.state.draining` and
+`app.state.engine_loop` keep working for callers outside the package (isolab serve's signal
+handler, the tests). Does not know routes or the reply formats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+
+from isolab.models.invariance import InvarianceReport
+from isolab.server.engine_loop import EngineLoop
+from isolab.server.metrics import ServerMetrics
+from isolab.server.serving import Serving
+from isolab.server.settings import ServerConfig
+from isolab.server.tenants import TenantRegistry
+
+
+@dataclass
+class ServerState:
+    # Not frozen: `draining` flips once, on the first SIGTERM (isolab.commands.serve sets it).
+    config: ServerConfig
+    tenants: TenantRegistry
+    engine_loop: EngineLoop
+    metrics: ServerMetrics
+    serving: Serving
+    model_name: str  # the served name (--served-model-name, else the bundle's)
+    capacity: int  # engine requests admitted at once: running slots + queue
+    numerics: InvarianceReport  # measured once at start (models/invariance.py); read-only after
+    started: float = field(default_factory=time.time)
+    draining: bool = False
+
+
+def server_state(app: Starlette) -> ServerState:
+    state = app.state
+    if not isinstance(state, ServerState):
+        raise TypeError("this app was not built by isolab.server.create_app")
+    return state
