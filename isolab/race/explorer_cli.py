@@ -10,11 +10,11 @@ from pathlib import Path
 
 from isolab.race.explorer import gil, narrative
 from isolab.race.explorer.api import ExploreReport, explore
-from isolab.race.explorer.runtime import RunLimits
 from isolab.race.explorer.scenario import load
 from isolab.race.explorer.schedule import absolute_target, replay, save
 from isolab.race.explorer.schedule import load as load_schedule
 from isolab.race.explorer.search import Progress, SearchLimits, Verdict
+from isolab.race.explorer.task import RunLimits
 from isolab.race.explorer.types import ExitCode, SwitchMode
 
 

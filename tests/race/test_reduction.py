@@ -92,9 +92,9 @@ def test_an_indirect_write_keeps_loads_of_every_name_visible(tmp_path: Path, wri
 
 
 def test_without_the_indirect_write_check_the_torn_read_is_missed(tmp_path: Path, monkeypatch) -> None:
-    from isolab.race.explorer import scenario as scenario_module
+    from isolab.race.explorer import scope
 
-    monkeypatch.setattr(scenario_module, "_INDIRECT_WRITERS", frozenset())  # the protection off
+    monkeypatch.setattr(scope, "INDIRECT_WRITERS", frozenset())  # the protection off
     path = tmp_path / "indirect_off.py"
     path.write_text(textwrap.dedent(INDIRECT.format(write="setattr(s, 'x', 1)")))
     assert bounded_search(load(f"{path}:scenario"), bound=1, mode=SwitchMode.OPCODE).failure is None

@@ -199,7 +199,7 @@ def test_execution_budget_reached_is_inconclusive(capsys) -> None:
 
 
 def test_without_default_import_tracing_the_helper_bug_is_missed(tmp_path: Path, monkeypatch) -> None:
-    from isolab.race.explorer import scenario as scenario_module
+    from isolab.race.explorer import scope
 
     (tmp_path / "helpers_off.py").write_text("def bump(box):\n    v = box.value\n    box.value = v + 1\n")
     sub = tmp_path / "elsewhere"
@@ -219,7 +219,7 @@ def scenario():
     sys.path.insert(0, str(tmp_path))
     try:
         assert _explore(target) == ExitCode.BUG  # traced through the import, though in another folder
-        monkeypatch.setattr(scenario_module, "_closure", lambda roots, **kw: list(roots))  # the protection off
+        monkeypatch.setattr(scope, "closure", lambda modules, **kw: list(modules))  # the protection off
         assert _explore(target) == ExitCode.HOLDS
     finally:
         sys.path.remove(str(tmp_path))

@@ -61,7 +61,7 @@ def explore(
     result = search(scenario, chosen, mode, limits, count_all, on_progress)
     untraced = scenario.untraced()
     if result.failure is None:
-        return ExploreReport(result, None, untraced)
+        return ExploreReport(search=result, finding=None, untraced=untraced)
     failing = result.failure
     before = len(decisions_of(failing))
     spent = 0
@@ -84,6 +84,7 @@ def explore(
     if not reachable and mode is not SwitchMode.GIL:
         gil_search = bounded_search(scenario, bound, SwitchMode.GIL, limits=limits)
         reachable = gil_search.failure is not None and gil_search.failure.outcome == recorded.outcome
-    finding = Finding(recorded, from_execution(scenario, mode, recorded), before, len(decisions_of(recorded)),
-                      spent, reachable, gil_search)
-    return ExploreReport(result, finding, untraced)
+    finding = Finding(execution=recorded, schedule=from_execution(scenario, mode, recorded),
+                      decisions_before=before, decisions_after=len(decisions_of(recorded)),
+                      shrink_executions=spent, gil_reachable=reachable, gil_search=gil_search)
+    return ExploreReport(search=result, finding=finding, untraced=untraced)

@@ -1,5 +1,6 @@
 """Owns what a step touches and when two steps commute: the tokens the tracer records for each
-visible operation, and the independence test the sleep-set reduction (strategies.py) uses.
+visible operation, and the independence test the sleep-set reduction (strategies.py) uses; does
+not know threads, bytecode tracing or search.
 
 A token is (mode, kind, key): mode "r" or "w"; kind "attr" / "global" / "deref" keyed by name
 (any object: two threads touching `x` of different objects still count as conflicting), "subscr"

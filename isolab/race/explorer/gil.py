@@ -1,5 +1,6 @@
 """Owns the CPython model: which bytecodes touch only a frame's own locals, and exactly where a
-thread holding the GIL can lose it. It covers CPython 3.11 only; `check_supported` refuses others.
+thread holding the GIL can lose it; does not trace or schedule (tracer.py, codeinfo.py read it).
+It covers CPython 3.11 only; `check_supported` refuses others.
 
 Derived from CPython 3.11's eval loop (Python/ceval.c) and checked against the interpreter itself
 by tests/race/test_gil_model.py, which runs two real threads with a 1 us switch interval around a

@@ -1,15 +1,48 @@
 """Owns how the explorer names things a person reads: a modelled object by the attribute path
 that holds it (`s.a`, `s.locks[0]`), stable across executions because it depends on the state's
 shape, not on creation counters; and where a stuck thread stands (its frame, and the traced frame
-that called it)."""
+that called it). Does not run or schedule anything."""
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from isolab.race.explorer.primitives import Primitive
+from isolab.race.explorer.blocking import Primitive
 from isolab.race.explorer.types import short_path
+
+
+class Namer:
+    """The names of one execution's modelled objects, each fixed the first time it is asked for."""
+
+    def __init__(self, state_name: Callable[[], str]) -> None:
+        self._state_name = state_name  # what the bodies call the shared state (asked only when needed)
+        self._names: dict[int, str] = {}
+        self._ordinals: Counter = Counter()
+
+    def name_of(self, state: Any, obj: object, kind: str) -> str:
+        """`s.a` for the lock at attribute `a` of the state the bodies call `s`; `Lock#2` (the
+        second Lock this execution created) only when no attribute path reaches it."""
+        key = id(obj)
+        name = self._names.get(key)
+        if name is None:
+            name = find_path(state, obj, self._state_name()) or self._ordinal(obj, kind)
+            self._names[key] = name
+        return name
+
+    def _ordinal(self, obj: object, kind: str) -> str:
+        ordinal = getattr(obj, "_ordinal", None)
+        if ordinal is None:
+            self._ordinals[kind] += 1
+            ordinal = self._ordinals[kind]
+        return f"{kind}#{ordinal}"
+
+    def created(self, obj: Primitive) -> None:
+        """Numbers a primitive in creation order (deterministic per execution)."""
+        self._ordinals[obj.kind] += 1
+        obj._ordinal = self._ordinals[obj.kind]  # type: ignore[attr-defined]
 
 
 def where(ident: int | None, targets: frozenset[str]) -> str:

@@ -2,7 +2,7 @@
 factories and `time.sleep` for ones that model inside the runtime, `Thread.start` and
 `ThreadPoolExecutor.submit` for ones that end the execution as unsupported, and the real
 primitives a traced module made before exploring (module globals, class attributes) for fresh
-models, put back afterwards."""
+models, put back afterwards. Does not model anything itself (primitives.py does)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, SupportsIndex
 
-from isolab.race.explorer.primitives import (
-    ModelCondition,
-    ModelEvent,
-    ModelLock,
-    ModelRLock,
-    ModelSemaphore,
-    Primitive,
-)
+from isolab.race.explorer.blocking import Primitive
+from isolab.race.explorer.primitives import ModelCondition, ModelEvent, ModelLock, ModelRLock, ModelSemaphore
 from isolab.race.explorer.types import Scheduler
 
 REAL: dict[str, Any] = {
@@ -77,11 +71,8 @@ def _swaps(rt: Scheduler, module_names: tuple[str, ...], fakes: dict[str, Any]) 
     return out
 
 
-@contextmanager
-def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None]:
-    """Swaps threading's factories (and time.sleep, Thread.start) for ones that model inside `rt`,
-    and the real primitives held by `module_names` for fresh models."""
-    real_sleep = time.sleep
+def _factories(rt: Scheduler) -> dict[str, Callable[..., Any]]:
+    """threading's primitive factories: a model for setup and managed threads, the real one else."""
 
     def Lock() -> Any:
         return ModelLock(rt) if rt.managed() else REAL["Lock"]()
@@ -101,11 +92,24 @@ def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None
     def BoundedSemaphore(value: int = 1) -> Any:
         return ModelSemaphore(rt, value, bound=value) if rt.managed() else REAL["BoundedSemaphore"](value)
 
+    return {"Lock": Lock, "RLock": RLock, "Condition": Condition, "Event": Event,
+            "Semaphore": Semaphore, "BoundedSemaphore": BoundedSemaphore}
+
+
+def _sleep(rt: Scheduler, real_sleep: Callable[[Any], None]) -> Callable[[float | SupportsIndex], None]:
+    """time.sleep: in a managed thread, virtual time (it only lets the others run)."""
+
     def sleep(seconds: float | SupportsIndex) -> None:
         if rt.me() is None:
             return real_sleep(seconds)
         task = rt.sync_point("sleep", False, yielding=True)  # virtual time: a sleep only lets others run
         rt.after_sync(task)
+
+    return sleep
+
+
+def _unsupported_starts(rt: Scheduler) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """Thread.start and ThreadPoolExecutor.submit: inside a body they end the execution as unsupported."""
 
     def start(thread: threading.Thread) -> None:
         if rt.me() is not None:
@@ -119,15 +123,23 @@ def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None
                            "list the work as Scenario.threads")
         return _REAL_SUBMIT(executor, fn, *args, **kwargs)
 
-    fakes = {"Lock": Lock, "RLock": RLock, "Condition": Condition, "Event": Event,
-             "Semaphore": Semaphore, "BoundedSemaphore": BoundedSemaphore}
+    return start, submit
+
+
+@contextmanager
+def modelled(rt: Scheduler, module_names: tuple[str, ...] = ()) -> Iterator[None]:
+    """Swaps threading's factories (and time.sleep, Thread.start) for ones that model inside `rt`,
+    and the real primitives held by `module_names` for fresh models."""
+    real_sleep = time.sleep
+    fakes = _factories(rt)
+    start, submit = _unsupported_starts(rt)
     swaps = _swaps(rt, module_names, fakes)
     saved = [(holder, attr, vars(holder)[attr]) for holder, attr, _ in swaps]
     for name, fake in fakes.items():
         setattr(threading, name, fake)
-    time.sleep = sleep
-    threading.Thread.start = start  # type: ignore[method-assign, assignment]
-    ThreadPoolExecutor.submit = submit  # type: ignore[method-assign, assignment]
+    time.sleep = _sleep(rt, real_sleep)
+    threading.Thread.start = start  # type: ignore[method-assign]
+    ThreadPoolExecutor.submit = submit  # type: ignore[method-assign]
     for holder, attr, replacement in swaps:
         setattr(holder, attr, replacement)
     try:

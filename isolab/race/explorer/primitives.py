@@ -1,4 +1,6 @@
-"""Owns the modelled synchronisation primitives and the patch that puts them in place.
+"""Owns the modelled synchronisation primitives (Lock, RLock, Condition, Event, Semaphore), each on
+the one blocking base (blocking.py); does not know how they are put in place (patch.py) nor how
+a thread is chosen (it calls a `types.Scheduler`).
 
 Inside an explored execution, `threading.Lock()` & co. called from setup or a managed thread
 return a model whose blocking is known to the scheduler: a thread waiting for a lock is not
@@ -8,9 +10,9 @@ it builds its mutex and conditions from `threading.Lock` and `threading.Conditio
 the target made before exploring (a module-level or class-level `_lock = threading.Lock()`, a
 `from threading import Lock`) are swapped for fresh models for each execution and put back after.
 
-Every operation goes through `Primitive.operation`: one sync point before, `after_sync` after,
-on every path. `c_level` says whether the real primitive is C code (Lock, RLock: entering it is
-no GIL switch point) or Python code in threading.py (Condition, Event, Semaphore: it is).
+Every operation, queries included (`Event.is_set`, `Lock.locked`), goes through
+`blocking.operation`. `c_level` says whether the real primitive is C code (Lock, RLock: entering
+it is no GIL switch point) or Python code in threading.py (Condition, Event, Semaphore: it is).
 
 Not modelled: `_thread` locks, `queue.SimpleQueue`, real I/O, timeouts in
 `queue.Queue.get(timeout=...)` (it measures real time), threads started inside a body (the
@@ -20,58 +22,12 @@ no thread can run otherwise.
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from isolab.race.explorer.types import Abort, Scheduler
-
-Guard = tuple[Callable[[], bool], Callable[[], str]]
-
-
-def operation(op: str, yielding: bool = False) -> Callable[[Callable[..., Any]], Any]:
-    """Wraps a primitive method: a sync point named `<primitive>.<op>` before, after_sync after."""
-
-    def wrap(method: Callable[..., Any]) -> Any:
-        @functools.wraps(method)
-        def run(self: Primitive, *args: Any, **kwargs: Any) -> Any:
-            rt = self.rt
-            if rt.aborted:
-                raise Abort
-            task = rt.sync_point(f"{self.name}.{op}", self.c_level, yielding, self.guard(op))
-            try:
-                return method(self, task, *args, **kwargs)
-            finally:
-                rt.after_sync(task, self.c_level)
-
-        return run
-
-    return wrap
-
-
-class Primitive:
-    """The blocking base: a name stable across executions, and the runtime that schedules it."""
-
-    kind = "Primitive"
-    c_level = False
-
-    def __init__(self, rt: Scheduler) -> None:
-        self.rt = rt
-        self.fixed_name: str | None = None  # set when the holder is known at creation (a module global)
-        rt.created(self)
-
-    @property
-    def name(self) -> str:
-        return self.fixed_name or self.rt.name_of(self, self.kind)
-
-    def guard(self, op: str) -> Guard | None:
-        """For an operation that would only block: (when it can proceed, what it waits for). A
-        thread parked before such an operation is not runnable until then: running it would
-        change nothing but its own state, from running to blocked."""
-        return None
-
-    def wait_until(self, task: Any, ready: Callable[[], bool], why: Callable[[], str], timed: bool) -> bool:
-        return self.rt.block(task, ready, why, timed)
+from isolab.race.explorer.blocking import Guard, Primitive, operation
+from isolab.race.explorer.types import Scheduler
 
 
 class ModelLock(Primitive):
@@ -91,14 +47,16 @@ class ModelLock(Primitive):
     def acquire(self, task: Any, blocking: bool = True, timeout: float = -1) -> bool:
         return self._take(task, blocking, timeout)
 
+    def timed(self, timeout: float | None) -> bool:
+        return timeout is not None and timeout >= 0  # a C lock's "no timeout" is -1
+
     def _take(self, task: Any, blocking: bool, timeout: float | None) -> bool:
         if self.owner is not None:
             if not blocking:
                 return False
             holder = self.owner
             if not self.wait_until(task, lambda: self.owner is None,
-                                   lambda: f"waits for {self.name} held by {holder.name}",
-                                   timeout is not None and timeout >= 0):
+                                   lambda: f"waits for {self.name} held by {holder.name}", self.timed(timeout)):
                 return False
         self.owner = task
         return True
@@ -109,7 +67,8 @@ class ModelLock(Primitive):
             raise RuntimeError("release unlocked lock")
         self.owner = None
 
-    def locked(self) -> bool:
+    @operation("locked", query=True)
+    def locked(self, task: Any) -> bool:
         return self.owner is not None
 
     def __enter__(self) -> bool:
@@ -182,9 +141,17 @@ class ModelCondition(Primitive):
     def guard(self, op: str) -> Guard | None:
         return self.lock.guard(op) if op == "acquire" else None
 
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        # Condition.__enter__ is Python code: entering it is a switch point
-        self.rt.sync_point(f"{self.name}.acquire", False, False, self.lock.guard("acquire"))
+    def waits_forever(self, call: inspect.BoundArguments) -> bool:
+        call.apply_defaults()
+        if "blocking" in call.arguments:  # acquire: the lock's timeout convention
+            return bool(call.arguments["blocking"]) and not self.lock.timed(call.arguments["timeout"])
+        return not self.timed(call.arguments.get("timeout"))
+
+    # Condition.__enter__ and __exit__ are Python code wrapping the lock's: entering and leaving
+    # them are switch points. (CPython binds acquire and release to the lock's own; acquire is
+    # modelled as __enter__, a superset of its switch points.)
+    @operation("acquire")
+    def acquire(self, task: Any, blocking: bool = True, timeout: float = -1) -> bool:
         return self.lock.acquire(blocking, timeout)
 
     def release(self) -> None:
@@ -193,7 +160,8 @@ class ModelCondition(Primitive):
     def __enter__(self) -> bool:
         return self.acquire()
 
-    def __exit__(self, *exc: object) -> None:
+    @operation("release")
+    def __exit__(self, task: Any, *exc: object) -> None:
         self.lock.release()
 
     @operation("wait")
@@ -205,7 +173,7 @@ class ModelCondition(Primitive):
         saved = self.lock._release_save()
         try:
             return self.wait_until(task, lambda: waiter[0], lambda: f"waits on {self.name} (not notified)",
-                                   timeout is not None)
+                                   self.timed(timeout))
         finally:
             if waiter in self.waiters:
                 self.waiters.remove(waiter)
@@ -244,7 +212,8 @@ class ModelEvent(Primitive):
     def guard(self, op: str) -> Guard | None:
         return ((lambda: self.flag), (lambda: f"waits for {self.name}")) if op == "wait" else None
 
-    def is_set(self) -> bool:
+    @operation("is_set", query=True)
+    def is_set(self, task: Any) -> bool:
         return self.flag
 
     @operation("set")
@@ -257,7 +226,7 @@ class ModelEvent(Primitive):
 
     @operation("wait")
     def wait(self, task: Any, timeout: float | None = None) -> bool:
-        self.wait_until(task, lambda: self.flag, lambda: f"waits for {self.name}", timeout is not None)
+        self.wait_until(task, lambda: self.flag, lambda: f"waits for {self.name}", self.timed(timeout))
         return self.flag
 
 
@@ -281,7 +250,7 @@ class ModelSemaphore(Primitive):
             if not blocking:
                 return False
             if not self.wait_until(task, lambda: self.value > 0, lambda: f"waits for {self.name} (value 0)",
-                                   timeout is not None):
+                                   self.timed(timeout)):
                 return False
         self.value -= 1
         return True

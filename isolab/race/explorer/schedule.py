@@ -1,5 +1,6 @@
 """Owns the schedule file: a losing schedule as plain text lines a person can read and edit,
-and the strict replay that follows it and names the first step that diverges.
+and the strict replay that follows it and names the first step that diverges; does not search or
+shrink (search.py, shrink.py).
 
     # isolab race schedule v1
     scenario: passcode:buggy
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isolab.errors import InvalidRequestError
-from isolab.race.explorer.runtime import RunLimits, run_once
+from isolab.race.explorer.runtime import run_once
 from isolab.race.explorer.scenario import Scenario
+from isolab.race.explorer.task import RunLimits
 from isolab.race.explorer.types import ROOT, Execution, PendingPoint, SwitchMode, short_path
 
 HEADER = "# isolab race schedule v1"
@@ -78,13 +80,15 @@ def from_execution(scenario: Scenario, mode: SwitchMode, execution: Execution) -
     names = scenario.names
     steps = tuple(
         ScheduleStep(
-            names[c.point.current] if c.point.current is not None else "<none>",
-            c.point.location, c.point.occurrence, c.point.what, names[c.chosen], c.preemptive,
+            thread=names[c.point.current] if c.point.current is not None else "<none>",
+            location=c.point.location, occurrence=c.point.occurrence, what=c.point.what,
+            chosen=names[c.chosen], preempt=c.preemptive,
         )
         for c in execution.points
     )
-    return Schedule(scenario.name, mode.value, execution.verdict, source_hashes(scenario), steps,
-                    absolute_target(scenario.target or scenario.name))
+    return Schedule(scenario=scenario.name, switch=mode.value, outcome=execution.verdict,
+                    sources=source_hashes(scenario), steps=steps,
+                    target=absolute_target(scenario.target or scenario.name))
 
 
 def absolute_target(target: str) -> str:
@@ -109,7 +113,8 @@ def parse(text: str) -> Schedule:
             m = _STEP.match(line)
             if m is None or int(m.group(1)) != len(steps):
                 raise InvalidRequestError(f"schedule line {number} is not a step in order: {line!r}")
-            steps.append(ScheduleStep(m.group(2), m.group(3), int(m.group(4)), m.group(5), m.group(6), bool(m.group(7))))
+            steps.append(ScheduleStep(thread=m.group(2), location=m.group(3), occurrence=int(m.group(4)),
+                                      what=m.group(5), chosen=m.group(6), preempt=bool(m.group(7))))
         elif line.startswith("source: "):
             path, _, digest = line[len("source: "):].rpartition(" sha256=")
             sources[path] = digest
@@ -121,8 +126,8 @@ def parse(text: str) -> Schedule:
     for key in ("scenario", "switch"):
         if key not in fields:
             raise InvalidRequestError(f"schedule file has no '{key}:' line")
-    return Schedule(fields["scenario"], fields["switch"], fields.get("outcome", ""), sources, tuple(steps),
-                    fields.get("target", ""))
+    return Schedule(scenario=fields["scenario"], switch=fields["switch"], outcome=fields.get("outcome", ""),
+                    sources=sources, steps=tuple(steps), target=fields.get("target", ""))
 
 
 def save(path: Path, schedule: Schedule) -> None:

@@ -1,6 +1,7 @@
 """Owns the one search driver: run the strategy's schedules one execution at a time within the
 execution and time budgets, report progress, stop at the first bug (or count them all) and at
-the first inconclusive execution, and say which of three verdicts the search reached.
+the first inconclusive execution, and say which of three verdicts the search reached. Does not
+know which schedules a strategy picks (strategies.py) nor how an execution runs (runtime.py).
 
     HOLDS         no bug in every schedule the strategy covers (bounded: all within the bound)
     FAILED        a losing schedule (the first found; with `bounded`, one of the fewest preemptions)
@@ -14,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from isolab.race.explorer.runtime import RunLimits, run_once
+from isolab.race.explorer.runtime import run_once
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.strategies import BoundedStrategy, PCTStrategy, Strategy
+from isolab.race.explorer.task import RunLimits
 from isolab.race.explorer.types import Execution, ExitCode, Outcome, SwitchMode
 
 
@@ -93,6 +95,40 @@ class SearchResult:
         return self.executions / self.seconds if self.seconds > 0 else float("inf")
 
 
+@dataclass
+class _Tally:
+    """What the driver has seen so far."""
+
+    executions: int = 0
+    failures: int = 0
+    first: Execution | None = None  # the first failing execution
+    inconclusive: Execution | None = None
+    states: set[tuple[str, str, str]] = field(default_factory=set)
+
+    def add(self, execution: Execution, count_all: bool) -> bool:
+        """Counts one execution; True when the search stops at it."""
+        self.executions += 1
+        if execution.outcome is not Outcome.REDUNDANT:
+            self.states.add((execution.outcome.value, _short_repr(execution.results), execution.final))
+        if execution.outcome.is_inconclusive:
+            self.inconclusive = execution
+            return True
+        if execution.failed:
+            self.failures += 1
+            self.first = self.first or execution
+            return not count_all
+        return False
+
+
+def _budget_spent(limits: SearchLimits, executions: int, elapsed: float) -> str | None:
+    """Which budget ran out, in words; None while both last."""
+    if executions >= limits.max_executions:
+        return f"execution budget reached: {executions:,} executions"
+    if limits.time_limit is not None and elapsed >= limits.time_limit:
+        return f"time limit reached: {limits.time_limit:g}s, {executions:,} executions"
+    return None
+
+
 def search(
     scenario: Scenario,
     strategy: Strategy,
@@ -103,49 +139,43 @@ def search(
     progress_every: float = 1.0,
     on_execution: Callable[[Execution], None] | None = None,
 ) -> SearchResult:
+    """Runs `strategy`'s schedules, one execution each, until it has none left, a budget runs
+    out, an execution is inconclusive or (unless count_all) one fails."""
     limits = limits or SearchLimits()
     start = time.perf_counter()
     next_report = start + progress_every
-    executions = failures = 0
-    first: Execution | None = None
-    inconclusive: Execution | None = None
-    stopped: str | None = None
-    states: set[tuple[str, str, str]] = set()
-    while True:
-        if executions >= limits.max_executions:
-            stopped = f"execution budget reached: {executions:,} executions"
-            break
-        elapsed = time.perf_counter() - start
-        if limits.time_limit is not None and elapsed >= limits.time_limit:
-            stopped = f"time limit reached: {limits.time_limit:g}s, {executions:,} executions"
-            break
+    tally = _Tally()
+    while (stopped := _budget_spent(limits, tally.executions, time.perf_counter() - start)) is None:
         chooser = strategy.next()
         if chooser is None:
             break
         execution = run_once(scenario, chooser, mode, limits=limits.run)
-        executions += 1
         strategy.observe(execution)
-        if execution.outcome is not Outcome.REDUNDANT:
-            states.add((execution.outcome.value, _short_repr(execution.results), execution.final))
         if on_execution is not None:
             on_execution(execution)
-        if execution.outcome.is_inconclusive:
-            inconclusive = execution
+        if tally.add(execution, count_all):
             break
-        if execution.failed:
-            failures += 1
-            first = first or execution
-            if not count_all:
-                break
         now = time.perf_counter()
         if on_progress is not None and now >= next_report:
-            on_progress(Progress(executions, len(states), now - start, dict(strategy.per_bound)))
+            on_progress(Progress(executions=tally.executions, distinct_states=len(tally.states),
+                                 seconds=now - start, per_bound=dict(strategy.per_bound)))
             next_report = now + progress_every
-    if first is not None:
+    if tally.first is not None:
         stopped = None  # a bug found is a verdict, whatever budget ran out afterwards
-    exhausted = strategy.exhausted and stopped is None and inconclusive is None
-    return SearchResult(scenario.name, mode.value, strategy.label, executions, time.perf_counter() - start,
-                        exhausted, dict(strategy.per_bound), first, failures, inconclusive, stopped, len(states))
+    return SearchResult(
+        scenario=scenario.name,
+        mode=mode.value,
+        strategy=strategy.label,
+        executions=tally.executions,
+        seconds=time.perf_counter() - start,
+        exhausted=strategy.exhausted and stopped is None and tally.inconclusive is None,
+        per_bound=dict(strategy.per_bound),
+        failure=tally.first,
+        failures=tally.failures,
+        inconclusive=tally.inconclusive,
+        stopped=stopped,
+        distinct_states=len(tally.states),
+    )
 
 
 def _short_repr(results: tuple) -> str:
@@ -165,11 +195,12 @@ def bounded_search(
     limits: SearchLimits | None = None,
     reduction: bool = True,
 ) -> SearchResult:
-    """Iterative preemption bounding up to `bound` preemptions."""
+    """Iterative preemption bounding up to `bound` preemptions: search() over a BoundedStrategy."""
     limits = limits or SearchLimits(max_executions=max_executions)
     return search(scenario, BoundedStrategy(bound, reduction), mode, limits, count_all, on_execution=on_execution)
 
 
 def pct_search(scenario: Scenario, seed: int = 0, depth: int = 2, runs: int = 200,
                mode: SwitchMode = SwitchMode.OPCODE, limits: SearchLimits | None = None) -> SearchResult:
+    """`runs` PCT runs from `seed`: search() over a PCTStrategy."""
     return search(scenario, PCTStrategy(len(scenario.threads), seed, depth, runs), mode, limits)

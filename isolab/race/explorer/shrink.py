@@ -1,11 +1,13 @@
 """Owns making a losing schedule small and honest: delta debugging over its scheduling decisions,
-and sliding each preemption the GIL could not take to a later point where it could."""
+and sliding each preemption the GIL could not take to a later point where it could. Does not
+search (search.py) or save (schedule.py)."""
 
 from __future__ import annotations
 
-from isolab.race.explorer.runtime import RunLimits, run_once
+from isolab.race.explorer.runtime import run_once
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.strategies import LaxReplayChooser, decisions_of
+from isolab.race.explorer.task import RunLimits
 from isolab.race.explorer.types import Execution, SwitchMode
 
 

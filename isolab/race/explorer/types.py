@@ -1,10 +1,14 @@
 """Owns the explorer's plain data: switch modes, outcomes, choice points, executions, the
-narrative step, and the two small interfaces the parts talk through (`Chooser`, `Scheduler`).
+narrative step, and the two small interfaces the parts talk through (`Chooser`, `Scheduler`);
+does not know any other explorer module.
 
-It imports nothing from the rest of the explorer, so every other module can import it:
+It imports nothing from the rest of the explorer, so every other module can import it. Imports
+point one way (tests/race/test_layout.py checks there is no cycle):
 
-    types  <-  gil, footprint, scenario  <-  primitives  <-  patch, names, tracer  <-  runtime
-    <-  strategies, search, shrink, schedule  <-  api  <-  (isolab.race.explorer_cli)
+    types, task, gil, footprint
+      <-  blocking, codeinfo, narrative, scope, strategies
+      <-  primitives, names, scenario, tracer  <-  patch, scheduling  <-  runtime
+      <-  search, shrink, schedule  <-  api  <-  (isolab.race.explorer_cli)
 """
 
 from __future__ import annotations
@@ -141,10 +145,12 @@ class Scheduler(Protocol):
     """What a modelled primitive needs from the runtime (runtime.Runtime implements it)."""
 
     aborted: bool
+    silent: bool  # a watch is running: what it calls is not part of the execution
 
     def me(self) -> Any: ...
     def managed(self) -> bool: ...
-    def sync_point(self, what: str, c_level: bool, yielding: bool = False, guard: Any = None) -> Any: ...
+    def sync_point(self, what: str, c_level: bool, yielding: bool = False, guard: Any = None,
+                   read: bool = False) -> Any: ...
     def after_sync(self, task: Any, c_level: bool = False) -> None: ...
     def block(self, task: Any, ready: Callable[[], bool], waiting_for: Callable[[], str], timed: bool = False) -> bool: ...
     def name_of(self, obj: object, kind: str) -> str: ...
