@@ -13,6 +13,9 @@ from isolab.faults import Faults
 DTYPES = ("bf16", "fp32")
 GEMMS = ("isolab", "onednn", "fixed-tile", "torch")  # models/linear.py: GEMM_PATHS
 MiB = 1 << 20
+# Defaults the CLI, LLM and the server share (build_engine_config); the reasons are beside the fields.
+DEFAULT_KV_CACHE_MEMORY = 2048 * MiB
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,10 @@ class CacheConfig:
     # 16 tokens per block: vLLM's default; small enough that prefix sharing is fine-grained,
     # large enough that block-table gathers stay cheap.
     block_size: int = 16
-    # Bytes for the K/V pool (all layers). 256 MiB holds ~11k tokens of SmolLM2-135M in bf16.
-    kv_cache_memory: int = 256 * MiB
+    # Bytes for the K/V pool (all layers). 2 GiB holds ~93k tokens of SmolLM2-135M in bf16 (23 KB
+    # a token): 256 requests of ~360 tokens without preemption. Pages are touched only as blocks are
+    # first written, so an idle server's RSS does not grow with it.
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -33,7 +38,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests at once
+    # Running requests at once. Throughput grows with the batch until the GEMMs are compute-bound
+    # (bench/step_profile.py), so the limit is set by the KV pool, not by a small constant.
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 512  # tokens computed per step (prompt chunks + decode tokens)
 
     def __post_init__(self) -> None:
@@ -72,10 +79,10 @@ def build_engine_config(
     dtype: str = "bf16",
     device: str | None = None,
     gemm: str | None = None,
-    kv_cache_memory: int = 256 * MiB,
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
     block_size: int = 16,
     enable_prefix_caching: bool = True,
-    max_num_seqs: int = 64,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int = 512,
     max_model_len: int | None = None,
     audit: bool = False,

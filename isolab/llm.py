@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from isolab.config import MiB, build_engine_config
+from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, build_engine_config
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import InvalidRequestError
@@ -40,10 +40,10 @@ class LLM:
         *,
         device: str | None = None,
         gemm: str | None = None,
-        kv_cache_memory: int = 256 * MiB,
+        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         audit: bool = False,

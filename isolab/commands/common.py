@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from isolab.config import GEMMS, MiB
+from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, MiB
 from isolab.faults import FAULTS
 
 
@@ -28,9 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm", choices=GEMMS, default=None,
                    help="the GEMM path (default: the first that passes the start-up invariance check: isolab's own "
                         "GEMM wherever a C++ compiler is; docs/engine.md, Numerics)")
-    g.add_argument("--kv-cache-memory", type=parse_memory, default=256 * MiB, help="bytes for the KV pool (256MiB)")
+    g.add_argument("--kv-cache-memory", type=parse_memory, default=DEFAULT_KV_CACHE_MEMORY,
+                   help=f"bytes for the KV pool ({DEFAULT_KV_CACHE_MEMORY // MiB}MiB)")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")

@@ -10,6 +10,15 @@
 // bits (a test compares them). bf16 x bf16 products are exact in fp32, so for bf16 the chain is
 // also what a non-fused multiply-add would give; for fp32 it is a true fma everywhere.
 //
+// AVX512-BF16 (a build for a CPU with it and no AMX: Zen 4/5, Cooper Lake): bf16 GEMMs take
+// another fixed chain, one VDPBF16PS per k pair, pairs in order, in one lane of one register:
+//     acc = 0;  for k in 0, 2, 4, ...: acc = dpbf16(acc, (a[m][k], a[m][k+1]), (w[n][k], w[n][k+1]))
+// The instruction adds the pair's two exact products to acc with the rounding the hardware fixes
+// (round to nearest even, denormals flushed): its own bits, the same at every M, thread count and
+// neighbour, as the AMX chain below; twice the products per instruction of the fma chain, and A
+// stays bf16 (no widened copy). fp32 keeps the fma chain. The ISA level is part of the start-up
+// check's key, so a verdict is never reused across chains.
+//
 // Layouts (isolab/kernels/__init__.py: pack_weight):
 //   fp32 W: panels of 16 columns, (N/16, K, 16): one row of a panel is 16 columns at one k
 //   bf16 W: panels of 16 columns, (N/16, K/2, 16, 2): columns' (k, k+1) pairs side by side, so one
@@ -154,6 +163,53 @@ __attribute__((noinline)) static void tile(const float* a, long lda, const uint1
         #pragma GCC unroll 16
         for (int j = 0; j < NV; j++) store_vf(acc_out + r * TILE_N + j * VW, acc[r][j]);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define ISOLAB_GEMM_DP 1
+// One tile on AVX512-BF16 dot products: rows m0..m0+R-1 of bf16 A (read in place), columns
+// n0..n0+TILE_N-1 (NV whole panels), all of K; each accumulator lane is one output's chain.
+template <int R>
+__attribute__((noinline)) static void tile_dp(const uint16_t* a, long lda, const uint16_t* w, int K, int n0,
+                                              float* acc_out) {
+    __m512 acc[R][NV];
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
+    const uint16_t* wp[NV];
+    #pragma GCC unroll 16
+    for (int j = 0; j < NV; j++) wp[j] = w + panel_of(n0, j) * (long)K * PANEL + offset_of(n0, j) * 2;
+    for (int k = 0; k < K; k += 2) {
+        __m512bh wv[NV];
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(wp[j] + (long)k * PANEL));
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            std::memcpy(&pair, a + r * lda + k, 4);  // (a[k], a[k+1]) as one 32-bit lane
+            const __m512bh av = (__m512bh)_mm512_set1_epi32((int)pair);
+            #pragma GCC unroll 16
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, wv[j]);
+        }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 16
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc_out + r * TILE_N + j * VW, acc[r][j]);
+}
+
+template <int R>
+static inline void run_tile_dp(int rows, const uint16_t* a, long lda, const uint16_t* w, int K, int n0, float* acc) {
+    if constexpr (R >= 1) {
+        if (rows == R)
+            tile_dp<R>(a, lda, w, K, n0, acc);
+        else
+            run_tile_dp<R - 1>(rows, a, lda, w, K, n0, acc);
+    }
+}
+#else
+#define ISOLAB_GEMM_DP 0
+#endif
 
 // tile<rows> for 1 <= rows <= MR
 template <int R, typename W>
@@ -305,6 +361,32 @@ static bool use_amx(int) { return false; }
 static void gemm_amx(const uint16_t*, long, const uint16_t*, uint16_t*, int, int, int) {}
 #endif
 
+#if ISOLAB_GEMM_DP
+// bf16 on AVX512-BF16: the same work items as gemm() below, A read in place, no widened weights.
+static void gemm_dp(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
+    const int tiles_n = (N + TILE_N - 1) / TILE_N;
+    const int blocks_m = (M + MC - 1) / MC;
+#pragma omp parallel if ((long)M * N * K > 100000)
+    {
+        float acc[MR * TILE_N];
+#pragma omp for schedule(static) collapse(2)
+        for (int b = 0; b < blocks_m; b++)
+            for (int t = 0; t < tiles_n; t++) {
+                const int n0 = t * TILE_N;
+                const int cols = N - n0 < TILE_N ? N - n0 : TILE_N;
+                const int m_end = (b + 1) * MC < M ? (b + 1) * MC : M;
+                for (int m0 = b * MC; m0 < m_end; m0 += MR) {
+                    const int rows = m_end - m0 < MR ? m_end - m0 : MR;
+                    run_tile_dp<MR>(rows, A + (long)m0 * lda, lda, W, K, n0, acc);
+                    store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
+                }
+            }
+    }
+}
+#else
+static void gemm_dp(const uint16_t*, long, const uint16_t*, uint16_t*, int, int, int) {}
+#endif
+
 // A (M, K) with row stride lda, as T (bf16 bits or fp32); W packed as above; out (M, N) contiguous.
 template <typename T>
 static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) {
@@ -355,8 +437,9 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
 }  // namespace
 
 extern "C" {
-// the bf16 path: "amx" where the tile unit runs (K % 32 == 0; other K and fp32 take ISA's fma chain)
-const char* isolab_gemm_isa() { return amx_ready() ? "amx" : ISA; }
+// the bf16 path: "amx" where the tile unit runs (K % 32 == 0; other K take the next path),
+// "avx512bf16" (dot-product chain), else the ISA's fma chain; fp32 always takes the fma chain
+const char* isolab_gemm_isa() { return amx_ready() ? "amx" : ISOLAB_GEMM_DP ? "avx512bf16" : ISA; }
 int isolab_gemm_panel() { return PANEL; }
 int isolab_gemm_tile_n() { return TILE_N; }
 // A: (M, K) rows with stride lda (elements); W: packed (see above), its N padded to a multiple of
@@ -364,6 +447,8 @@ int isolab_gemm_tile_n() { return TILE_N; }
 void isolab_gemm_bf16(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
     if (use_amx(K))
         gemm_amx(A, lda, W, out, M, N, K);
+    else if (ISOLAB_GEMM_DP)
+        gemm_dp(A, lda, W, out, M, N, K);
     else
         gemm<uint16_t>(A, lda, W, out, M, N, K);
 }

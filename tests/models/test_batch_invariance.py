@@ -93,14 +93,17 @@ def _run_level(tmp_path, env_extra: dict[str, str], name: str) -> dict:
     return torch.load(target)
 
 
+OWN_CHAINS = ("amx", "avx512bf16")  # bf16 GEMM chains other than the fma chain (isolab/kernels/gemm.cpp)
+
+
 @pytest.mark.slow  # a subprocess (and a kernel build) per level: 6-30 s
 def test_every_isa_level_gives_the_same_bits(tmp_path):
     """The kernels built for each level this CPU runs (generic SSE2 with software fma, AVX2+FMA,
     AVX-512, AVX-512 with AMX tiles, native): at every level a row's GEMM bits are the same at every
     M, and GEMM, attention and row ops give identical bits across the levels that share a chain.
     Two paths round otherwise by design and are compared only among themselves: bf16 GEMMs on AMX
-    tiles (another fixed summation order, checked against the exact product instead) and bf16
-    attention on AMX tiles or AVX512-BF16 dot products."""
+    tiles or AVX512-BF16 dot products (other fixed summation orders, checked against the exact
+    product instead) and bf16 attention on AMX tiles or AVX512-BF16 dot products."""
     levels = kernels.isa_levels()
     assert "generic" in levels and "native" in levels
     got = {lv: _run_level(tmp_path, {"ISOLAB_KERNEL_ISA": lv}, lv) for lv in levels}
@@ -111,16 +114,16 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
     for lv, out in got.items():
         for name in ("bf16", "fp32"):
             assert out["gemm_m_mismatches_" + name] == 0, f"{lv}: {name} GEMM bits depend on M"
-        if out["isa"] == "amx":  # its own chain: close to the exact product, equal among AMX builds
+        if out["isa"] in OWN_CHAINS:  # its own chain: close to the exact product, equal among its builds
             exact = out["gemm_exact_bf16"]
             assert ((out["gemm_bf16"].double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3).all()
-            assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == "amx")
+            assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == out["isa"])
         # bf16 attention: equal among the builds that take the same path (amx tiles, AVX512-BF16 dots)
         assert all(torch.equal(o["attention_bf16"], out["attention_bf16"]) for o in got.values()
                    if o["attention_isa"] == out["attention_isa"])
         for key, value in base.items():
             if not isinstance(value, torch.Tensor) or (key == "attention_bf16" and out["bf16_dot"]) or \
-                    (key == "gemm_bf16" and out["isa"] == "amx"):
+                    (key == "gemm_bf16" and out["isa"] in OWN_CHAINS):
                 continue
             assert torch.equal(out[key], value), f"{key} differs between generic and {lv} ({out['isa']})"
 

@@ -1,0 +1,95 @@
+"""Where a step's time goes at each batch size (issue 14's profile tool), on the real model.
+
+For each concurrency N: N requests (prompts of `--prompt-len` words) are admitted and prefilled,
+then `--steps` decode steps of N rows are profiled (isolab/bench/profile.py: schedule, input
+preparation, each GEMM, attention, row ops, sampling, update, other), and the same N rows'
+output detokenized as the server would (Detokenizer.push per token, timed apart).
+The GEMM-bound rate is N / (GEMM ms per step): what the step would give if GEMMs were all.
+
+    .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
+
+Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from isolab.bench.profile import StepProfiler  # noqa: E402
+from isolab.bench.workload import WorkloadSpec, make_workload  # noqa: E402
+from isolab.config import MiB, build_engine_config  # noqa: E402
+from isolab.engine.detokenize import Detokenizer  # noqa: E402
+from isolab.engine.llm_engine import LLMEngine  # noqa: E402
+from isolab.models.bundle import load_bundle  # noqa: E402
+from isolab.sampling_params import SamplingParams  # noqa: E402
+
+PHASES = ("schedule", "prepare", "gemm", "attention", "row_ops", "sample", "update", "other")
+
+
+def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
+    engine = LLMEngine(build_engine_config(dtype=dtype, max_num_seqs=max(n, 1), kv_cache_memory=4096 * MiB,
+                                           max_num_batched_tokens=2048), bundle)
+    wl = make_workload(WorkloadSpec(num_requests=n, prompt_len=prompt_words, output_len=(128, 128), seed=n))
+    detoks = {}
+    for i, p in enumerate(wl.prompts):
+        engine.add_request(f"r{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=steps + 64, temperature=0,
+                                                                                ignore_eos=True))
+        detoks[f"r{i}"] = Detokenizer(engine.tokenizer)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()  # prefill (and a few first tokens)
+    for _ in range(2):
+        engine.step()  # warm
+    detok_s = 0.0
+    with StepProfiler(engine) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            outs = engine.step()
+            t = time.perf_counter()
+            for o in outs:
+                detoks[o.request_id].push(o.new_token_ids)
+            detok_s += time.perf_counter() - t
+        wall = time.perf_counter() - t0
+    ms = prof.report()
+    engine.close()
+    ms["detokenize"] = detok_s * 1e3 / steps
+    return {
+        "concurrency": n, "rows_per_step": n, "ms_per_step": ms,
+        "decode_tok_per_s": n * steps / wall,
+        "gemm_share": ms["gemm"] / ms["step"],
+        "gemm_bound_tok_per_s": n / (ms["gemm"] / 1e3),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", default="1,8,32,128")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--prompt-len", default="64:256", help="prompt words LO:HI")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lo, _, hi = args.prompt_len.partition(":")
+    bundle = load_bundle(None, args.dtype)
+    rows = []
+    for n in (int(x) for x in args.concurrency.split(",")):
+        r = profile_at(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.steps)
+        rows.append(r)
+        ms = r["ms_per_step"]
+        parts = "  ".join(f"{p} {ms.get(p, 0.0):6.1f}" for p in PHASES)
+        gemms = "  ".join(f"{k[5:]} {v:.1f}" for k, v in sorted(ms.items()) if k.startswith("gemm."))
+        print(f"N={n:4d}  step {ms['step']:7.1f} ms  {r['decode_tok_per_s']:7.1f} tok/s  GEMM share "
+              f"{r['gemm_share']:.0%}  GEMM-bound {r['gemm_bound_tok_per_s']:7.0f} tok/s\n"
+              f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
+    out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}.json")
+    out.write_text(json.dumps({"dtype": args.dtype, "steps": args.steps, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
