@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from isolab.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; N: and the top N
+    # Logits processing, applied in this order to the rows that ask (engine/sampler.py):
+    repetition_penalty: float = 1.0  # [0.01, 100]; tokens of prompt + output: positive logits / p, negative * p
+    frequency_penalty: float = 0.0  # [-2, 2]; minus p x (times the token appeared in the output)
+    presence_penalty: float = 0.0  # [-2, 2]; minus p once the token appeared in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    min_p: float = 0.0  # [0, 1]; after temperature, drop tokens below min_p x the top probability
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -29,6 +37,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, not {self.max_tokens!r}")
         if not isinstance(self.temperature, int | float) or not (0.0 <= float(self.temperature) <= 100.0):
@@ -46,6 +55,32 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs!r}")
 
+        for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not (lo <= float(v) <= hi):
+                raise bad(name, f"must be a number in [{lo:g}, {hi:g}], not {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, int | float) or isinstance(rp, bool) or not (0.01 <= float(rp) <= 100.0):
+            raise bad("repetition_penalty", f"must be a number in [0.01, 100] (1 = off), not {rp!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", f"must be an integer >= 0, not {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), not {t!r}")
+            if not isinstance(b, int | float) or isinstance(b, bool) or not (-100.0 <= float(b) <= 100.0):
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias", "names a token twice")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (penalties, bias, min_tokens)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+                    or self.logit_bias or self.min_tokens)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (as vLLM): logits / 1e-300 overflow to inf, and NaN."""
+        return self.temperature < GREEDY_BELOW

@@ -86,7 +86,7 @@ class LLMEngine:
             faults=faults,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, faults)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
         self.requests: dict[str, Request] = {}
         self.step_count = 0

@@ -89,12 +89,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, faults: Faults = Faults()) -> None:
+    def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, faults: Faults = Faults(),
+                 eos_token_id: int | None = None) -> None:
         self.model = model
         self.storage = storage
         self.kv = kv
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
+        self.eos_token_id = eos_token_id  # min_tokens masks it
         # FAULT shared-rng: one generator for every request (seeded once, at start); read only here.
         self.shared_generator = make_generator(0, model.device) if faults.shared_rng else None
 
@@ -113,7 +115,7 @@ class ModelRunner:
         sampling = [ch.request for ch in out.chunks if ch.samples]
         if not sampling:
             return ModelRunnerOutput(())
-        drawn = sample(logits, sampling, self.shared_generator)
+        drawn = sample(logits, sampling, self.shared_generator, self.eos_token_id)
         return ModelRunnerOutput(tuple(
             SampledToken(req.request_id, token, lp) for req, (token, lp) in zip(sampling, drawn, strict=True)
         ))

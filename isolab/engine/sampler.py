@@ -21,47 +21,110 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return g
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """(V,) -> (V,) with excluded tokens at -inf."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, -1)
         # drop a token when the mass before it already reaches top_p (the first is always kept)
         drop = (torch.cumsum(probs, -1) - probs) >= top_p
+        drop[0] = False  # even when top_p rounds to 0 in float32 (a top_p of 1e-308 dropped every token)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
 
 
+def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: int | None) -> torch.Tensor:
+    """(M, V) raw logits -> (M, V) with each asking row's penalties, bias and min_tokens applied.
+
+    Rows that ask for nothing are the input's rows, untouched. For the others, in this order (as
+    vLLM): repetition penalty over prompt + output tokens, frequency and presence penalties over
+    output tokens, logit_bias, then min_tokens masks EOS and the stop tokens. Each is elementwise
+    in its row, so a row's result never depends on the others (batch invariance holds). One
+    tensor op per rule for all asking rows; the Python work is building the index lists.
+    """
+    idx = [i for i, r in enumerate(requests) if r.params.processes_logits]
+    if not idx:
+        return logits
+    reqs = [requests[i] for i in idx]
+    sub = logits[idx]  # (B, V), a copy
+    B, V = sub.shape
+    dev = sub.device
+
+    def rows_and_tokens(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [b for b, toks in enumerate(token_lists) for _ in toks]
+        flat = [t for toks in token_lists for t in toks]
+        return torch.tensor(rows, dtype=torch.long, device=dev), torch.tensor(flat, dtype=torch.long, device=dev)
+
+    rep = torch.tensor([r.params.repetition_penalty for r in reqs], device=dev).unsqueeze(1)  # (B, 1)
+    if bool((rep != 1.0).any()):
+        rows, toks = rows_and_tokens([r.token_ids if r.params.repetition_penalty != 1.0 else [] for r in reqs])
+        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        seen[rows, toks] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([r.params.frequency_penalty for r in reqs], device=dev).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in reqs], device=dev).unsqueeze(1)
+    if bool((freq != 0).any() or (pres != 0).any()):
+        rows, toks = rows_and_tokens([r.output_token_ids for r in reqs])
+        counts = torch.zeros(B, V, device=dev)
+        counts.index_put_((rows, toks), torch.ones_like(rows, dtype=counts.dtype), accumulate=True)  # exact: integers
+        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    if any(r.params.logit_bias for r in reqs):
+        biases = [dict(r.params.logit_bias) for r in reqs]
+        rows, toks = rows_and_tokens([[t for t in b if t < V] for b in biases])
+        vals = torch.tensor([b[t] for b in biases for t in b if t < V], dtype=sub.dtype, device=dev)
+        sub[rows, toks] += vals  # one entry per (row, token): no accumulation order to fix
+    banned = [([eos_token_id] if eos_token_id is not None else []) + list(r.params.stop_token_ids)
+              if len(r.output_token_ids) < r.params.min_tokens else [] for r in reqs]
+    if any(banned):
+        rows, toks = rows_and_tokens([[t for t in b if t < V] for b in banned])
+        sub[rows, toks] = float("-inf")
+    dead = torch.isneginf(sub).all(dim=-1)  # every token masked (stop_token_ids naming the vocabulary):
+    if bool(dead.any()):  # the request asked for the impossible; it samples from its raw row instead
+        sub[dead] = logits[idx][dead]
+    out = logits.clone()
+    out[idx] = sub
+    return out
+
+
 def sample(
-    logits: torch.Tensor, requests: list[Request], shared_generator: torch.Generator | None = None
+    logits: torch.Tensor, requests: list[Request], shared_generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
 ) -> list[tuple[int, TokenLogprob | None]]:
     """logits (M, V) float32, one row per request -> one (token, logprob) per request.
 
+    The token comes from the processed logits (process_logits); logprobs from the raw ones.
     shared_generator is set only under the fault `shared-rng`: one generator for everyone.
     """
-    out: list[tuple[int, TokenLogprob | None]] = []
-    greedy_tokens = torch.argmax(logits, dim=-1).tolist() if logits.shape[0] else []
+    M = logits.shape[0]
+    if M == 0:
+        return []
+    chosen = process_logits(logits, requests, eos_token_id)
+    tokens: list[int] = torch.argmax(chosen, dim=-1).tolist()
     for i, req in enumerate(requests):
         p = req.params
-        row = logits[i]
-        if p.greedy:
-            token = int(greedy_tokens[i])
-        else:
-            filtered = _filter(row / p.temperature, p.top_k, p.top_p)
+        if not p.greedy:
+            filtered = _filter(chosen[i] / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = torch.softmax(filtered, -1)
             gen = shared_generator if shared_generator is not None else req.generator
-            token = int(torch.multinomial(probs, 1, generator=gen).item())
-        lp: TokenLogprob | None = None
-        if p.logprobs is not None:
-            logp = torch.log_softmax(row, -1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+    lps: list[TokenLogprob | None] = [None] * M
+    lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if lp_rows:
+        logp = torch.log_softmax(logits[lp_rows], -1)  # (B, V): each row reduced on its own
+        k = max(requests[i].params.logprobs or 0 for i in lp_rows)
+        top_v, top_i = torch.topk(logp, k) if k else (None, None)
+        picked = logp[torch.arange(len(lp_rows)), torch.tensor([tokens[i] for i in lp_rows])].tolist()
+        for b, i in enumerate(lp_rows):
+            n = requests[i].params.logprobs or 0
             top: tuple[tuple[int, float], ...] = ()
-            if p.logprobs > 0:
-                vals, ids = torch.topk(logp, p.logprobs)
-                top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
-            lp = TokenLogprob(token, float(logp[token]), top)
-        out.append((token, lp))
-    return out
+            if n and top_v is not None and top_i is not None:
+                top = tuple(zip(top_i[b, :n].tolist(), top_v[b, :n].tolist(), strict=True))
+            lps[i] = TokenLogprob(tokens[i], float(picked[b]), top)
+    return list(zip(tokens, lps, strict=True))

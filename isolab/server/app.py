@@ -38,8 +38,9 @@ log = logging.getLogger("isolab.server")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": why}
-    for code, why in ((400, "invalid request"), (401, "missing or unknown API key"), (404, "unknown model"),
-                      (413, "body too large"), (422, "body does not match the schema"), (429, "queue full"))
+    for code, why in ((400, "invalid request: a bad value, a wrong type, bad JSON, or a field this server refuses"),
+                      (401, "missing or unknown API key"), (404, "unknown model"), (413, "body too large"),
+                      (429, "queue full"))
 }
 
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from isolab.errors import InvalidRequestError, PromptTooLongError, RequestAborted
-from isolab.server.protocol import ErrorInfo, ErrorResponse
+from isolab.server.protocol import ErrorInfo, ErrorResponse, RefusedField
 
 log = logging.getLogger("isolab.server")
 
@@ -66,12 +66,16 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        # 400, as OpenAI answers a body that does not validate (not FastAPI's 422)
         errors = exc.errors()
         first = errors[0] if errors else {}
+        refused = (first.get("ctx") or {}).get("error")
+        if isinstance(refused, RefusedField):
+            return ApiError(400, str(refused), param=refused.name).response()
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "the body is not valid"))
-        return ApiError(422, msg, param=param).response()
+        return ApiError(400, msg, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

@@ -1,7 +1,12 @@
 """Owns the wire format: the OpenAI requests (pydantic) and the replies (TypedDicts) that we serve.
 
-Requests ignore fields they do not know (clients send many); fields we know but do not implement
-are accepted only at their neutral value, so a client never silently gets something else.
+No silent ignoring. A field is one of three kinds (docs/server.md lists each):
+  * honoured: a field of the models below;
+  * refused: a field a peer (OpenAI, vLLM, SGLang, llama.cpp) honours and we do not (REFUSED), or
+    one of ours at a value we do not implement: 400 naming it (`param`), never silently dropped;
+  * ignored and reported: any other field (clients such as LangChain send extras). It is kept
+    out of the request, and its name (never its value) goes to the log and to the
+    `x-isolab-ignored-params` response header (BaseRequest.ignored_params).
 Replies are plain JSON dicts typed by the TypedDicts below (key order is the wire order), built
 by isolab.server.formats and isolab.server.call; errors by isolab.server.errors. Does not know the
 engine or HTTP.
@@ -11,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from isolab.sampling_params import MAX_TOP_LOGPROBS
 
@@ -20,10 +25,71 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
+# Fields peers honour that this server does not (yet): refused with a 400 that names them.
+REFUSED: dict[str, str] = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "guided_json": "structured outputs are not supported yet",
+    "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet",
+    "guided_grammar": "structured outputs are not supported yet",
+    "guided_decoding_backend": "structured outputs are not supported yet",
+    "structured_outputs": "structured outputs are not supported yet",
+    "grammar": "grammars are not supported yet",
+    "json_schema": "structured outputs are not supported yet",
+    "chat_template": "a per-request chat template is not supported",
+    "chat_template_kwargs": "chat template arguments are not supported yet",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "typical_p": "typical sampling is not supported",
+    "tfs_z": "tail-free sampling is not supported",
+    "mirostat": "mirostat sampling is not supported",
+    "mirostat_tau": "mirostat sampling is not supported",
+    "mirostat_eta": "mirostat sampling is not supported",
+    "include_stop_str_in_output": "stop strings are always cut from the output",
+    "skip_special_tokens": "special tokens are always skipped",
+    "truncate_prompt_tokens": "prompts are never truncated: a long prompt is refused",
+    "add_generation_prompt": "the chat template always adds the generation prompt",
+    "continue_final_message": "continuing the final message is not supported",
+    "audio": "audio is not supported",
+    "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no reasoning mode",
+    "web_search_options": "web search is not supported",
+}
+
+
 class BaseRequest(BaseModel):
-    """What completions and chat requests share: the sampling knobs and the refused fields."""
+    """What completions and chat requests share: the sampling knobs, the refused and ignored fields."""
 
     model_config = ConfigDict(extra="ignore")
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_peer_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                if name in REFUSED and data[name] is not None and name not in cls.model_fields:
+                    raise RefusedField(name, REFUSED[name])
+        return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _record_ignored(cls, data: Any, handler: Any) -> Any:
+        model = handler(data)
+        if isinstance(data, dict):
+            model._ignored = tuple(sorted(k for k in data if k not in cls.model_fields and k not in REFUSED))
+        return model
+
+    @property
+    def ignored_params(self) -> tuple[str, ...]:
+        """Names of the body's fields that nobody defines here (their values are never kept)."""
+        return self._ignored
 
     model: str | None = Field(None, description="the served model's id; omitted means that model")
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -41,14 +107,26 @@ class BaseRequest(BaseModel):
         None, description="narrows prefix-cache sharing inside your tenant; never widens it"
     )
     user: str | None = None
-    presence_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = Field(0.0, description="not supported: 0 only")
-    frequency_penalty: Annotated[Number, Field(ge=0.0, le=0.0)] = Field(0.0, description="not supported: 0 only")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: omit or {}")
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[Number, Field(ge=0.01, le=100.0)] = Field(1.0, description="extension: 1 = off")
+    logit_bias: dict[str, Annotated[Number, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
+    min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = Field(0.0, description="extension: 0 = off")
+    min_tokens: NonNegInt = Field(0, description="extension: no stop before this many tokens")
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class RefusedField(ValueError):
+    """A field a peer honours and this server does not: the error handler answers 400 naming it."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name} is not supported by this server: {why}")
+        self.name = name
 
 
 class StreamOptions(BaseModel):
@@ -89,7 +167,6 @@ class ChatCompletionRequest(BaseRequest):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    tools: None = Field(None, description="not supported")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
 
 

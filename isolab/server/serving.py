@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from typing import TypeVar
+from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -74,9 +75,12 @@ class Serving:
         def cleanup() -> None:
             self._cleanup(call, tenant, len(engine_requests))
 
-        if call.stream:
-            return streamed(call, queue, cleanup)
-        return await collected(call, queue, request, cleanup)
+        response = streamed(call, queue, cleanup) if call.stream else await collected(call, queue, request, cleanup)
+        if body.ignored_params:  # names only (a value could quote the prompt), header-safe
+            names = ",".join(quote(n[:64], safe="_-.") for n in body.ignored_params[:32])
+            log.info("ignored fields nobody defines: %s", names)
+            response.headers["x-isolab-ignored-params"] = names
+        return response
 
     # -- checks -----------------------------------------------------------------------------------------
     def _check_common(self, body: BaseRequest) -> None:
@@ -85,8 +89,6 @@ class Serving:
                            param="model", code="model_not_found")
         if body.n > self.config.max_n:
             raise ApiError(400, f"n must be at most {self.config.max_n}", param="n")
-        if body.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
     # -- the run ----------------------------------------------------------------------------------------
     def _new_call(self, fmt: Format[BodyT], body: BodyT, plan: Plan) -> tuple[Call, list[EngineRequest]]:
@@ -107,16 +109,28 @@ class Serving:
                     body.stream, include_usage, arrival, self.metrics)
         return call, engine_requests
 
-    @staticmethod
-    def _sampling_params(body: BaseRequest, plan: Plan, seed_offset: int) -> SamplingParams:
+    def _sampling_params(self, body: BaseRequest, plan: Plan, seed_offset: int) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=plan.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=None if body.seed is None else (body.seed + seed_offset) % 2**63, stop=body.stop_list(),
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),
+                min_p=body.min_p, min_tokens=body.min_tokens,
             )
         except InvalidRequestError as exc:
             raise api_error(exc) from None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} -> ((id, bias), ...); a key that is no token id is a 400."""
+        out = []
+        for key, value in (bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= self.tok.vocab_size:
+                raise ApiError(400, f"logit_bias keys must be token ids in [0, {self.tok.vocab_size}), not {key!r}",
+                               param="logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(out)
 
     async def _admit(self, call: Call, engine_requests: list[EngineRequest],
                      scope: str) -> asyncio.Queue[RequestOutput]:

@@ -183,13 +183,15 @@ def test_limits(srv):
     err = _assert_openai_error(httpx.post(url, headers=h, json={"prompt": list(range(40, 40 + 200)) * 2,
                                                                 "max_tokens": 1}), 400, "prompt")
     assert err["code"] == "context_length_exceeded"
-    # n over the limit, schema violations (422), token ids outside the vocabulary (400)
+    # n over the limit, schema violations (400, as OpenAI), token ids outside the vocabulary (400)
     _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "n": 5}), 400, "n")
-    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "temperature": "hot"}), 422, "temperature")
-    _assert_openai_error(httpx.post(url, headers=h, content=b"{not json"), 422)
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "temperature": "hot"}), 400, "temperature")
+    _assert_openai_error(httpx.post(url, headers=h, content=b"{not json"), 400)
     _assert_openai_error(httpx.post(url, headers=h, json={"prompt": [10**9]}), 400, "prompt")
     _assert_openai_error(httpx.post(url, headers=h, json={"prompt": ""}), 400, "prompt")
-    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"1": 5}}), 400, "logit_bias")
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"x": 5}}), 400, "logit_bias")
+    _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"99999999": 5}}), 400,
+                         "logit_bias")
 
 
 def test_engine_context_limit_is_400(server_factory, tiny_bundle):

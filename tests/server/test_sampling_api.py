@@ -1,0 +1,124 @@
+"""Issue 15's sampling rows through the official `openai` client: penalties, logit_bias, min_p and
+min_tokens are honoured (streamed and not); a field a peer honours and we do not is a 400 that
+names it; a field nobody defines is reported in `x-isolab-ignored-params`, never refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+from isolab.server import ServerConfig
+
+H = {"Authorization": "Bearer sk-alice"}
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tiny_bundle):
+    return server_factory(tiny_bundle, server_config=ServerConfig(max_tokens_limit=64, max_n=4))
+
+
+def _tokens(srv, stream=False, **kw) -> list[str]:
+    """The greedy completion of a fixed prompt as token strings (logprobs' tokens), streamed or not."""
+    c = srv.client()
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+    body = {"model": srv.model, "prompt": [5, 6, 7, 8, 9], "max_tokens": 24, "temperature": 0, "logprobs": 0,
+            "extra_body": extra, **kw}
+    if not stream:
+        return c.completions.create(**body).choices[0].logprobs.tokens
+    toks: list[str] = []
+    for ch in c.completions.create(stream=True, **body):
+        for choice in ch.choices:
+            if choice.logprobs is not None:
+                toks.extend(choice.logprobs.tokens)
+    return toks
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_penalties_are_honoured(srv, stream):
+    base = _tokens(srv, stream)
+    top = Counter(base).most_common(1)[0][1]
+    assert top > 4
+    assert Counter(_tokens(srv, stream, frequency_penalty=2.0)).most_common(1)[0][1] < top
+    assert Counter(_tokens(srv, stream, extra_body={"repetition_penalty": 100.0})).most_common(1)[0][1] < top
+    assert _tokens(srv, stream, presence_penalty=0.0, frequency_penalty=0.0) == base
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_and_min_p(srv, stream):
+    forced = _tokens(srv, stream, logit_bias={"42": 100})
+    assert len(set(forced)) == 1 and len(forced) == 24
+    base = _tokens(srv, stream)
+    assert _tokens(srv, stream, temperature=1.5, seed=1, extra_body={"min_p": 1.0}) == base
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_the_stop(srv, tiny_bundle, stream):
+    from isolab import LLM, SamplingParams
+
+    ids = [5, 6, 7, 8, 9]
+    greedy = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20).generate(
+        ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids
+    body = dict(model=srv.model, prompt=ids, max_tokens=24, temperature=0, stream=stream,
+                stream_options={"include_usage": True} if stream else None)
+
+    def completion_tokens(**extra) -> int:
+        r = srv.client().completions.create(**body, extra_body=extra)
+        if not stream:
+            return r.usage.completion_tokens
+        return [ch.usage for ch in r if ch.usage is not None][0].completion_tokens
+
+    assert completion_tokens(stop_token_ids=[greedy[1]]) == list(greedy).index(greedy[1]) + 1 <= 2
+    assert completion_tokens(stop_token_ids=[greedy[1]], min_tokens=12) >= 12
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
+    ("structured_outputs", {"json": {}}), ("chat_template_kwargs", {"x": 1}), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("typical_p", 0.5),
+])
+def test_a_field_peers_honour_is_refused_by_name(srv, field, value):
+    for path, body in (("/completions", {"prompt": "a"}), ("/chat/completions",
+                                                           {"messages": [{"role": "user", "content": "a"}]})):
+        r = httpx.post(srv.base_url + path, headers=H, json={**body, "max_tokens": 2, field: value})
+        assert r.status_code == 400, (path, field, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"]
+
+
+def test_the_official_client_sees_a_400_for_a_refused_field(srv):
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2, tools=[{"type": "function",
+                                                                   "function": {"name": "f", "parameters": {}}}])
+    assert e.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_fields_are_reported_not_refused(srv, stream, caplog):
+    raw = srv.client().with_raw_response.completions.create(
+        model=srv.model, prompt="hello", max_tokens=2, stream=stream,
+        extra_body={"zz_secret_knob": "PROMPT-TEXT-7731", "aa_other": 1})
+    assert raw.headers["x-isolab-ignored-params"] == "aa_other,zz_secret_knob"
+    assert "PROMPT-TEXT-7731" not in caplog.text  # names only, never values
+
+
+def test_known_fields_leave_no_header(srv):
+    r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2,
+                                                                  "presence_penalty": 0.5, "min_p": 0.1})
+    assert r.status_code == 200 and "x-isolab-ignored-params" not in r.headers
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 2.5), ("frequency_penalty", -3), ("min_p", 2),
+                                         ("repetition_penalty", 0), ("min_tokens", -1), ("logit_bias", {"1": 500})])
+def test_bad_sampling_values_are_400_naming_the_field(srv, field, value):
+    r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
+
+
+def test_min_tokens_above_max_tokens_is_refused(srv):
+    r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
