@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="API keys -> tenants: JSON {\"key\": \"tenant\"} or lines 'KEY TENANT' "
                         "(also read from ISOLAB_API_KEYS='key1=tenantA,key2=tenantB')")
     p.add_argument("--no-auth", action="store_true", help="serve without keys, as one anonymous tenant")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the GGUF's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients send, then aliases they may send instead (default: a slug of the "
+                        "file name, e.g. smollm2-135m-instruct-q4_1, then the GGUF's general.name)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (1 MiB)")
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts get 400 (default: the context)")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_queue=args.max_queue,
-        served_model_name=args.served_model_name,
+        served_model_names=tuple(args.served_model_name or ()),
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config(args))

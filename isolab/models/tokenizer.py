@@ -52,19 +52,20 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=True).input_ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         if not self.has_chat_template:
             raise InvalidRequestError("this model's GGUF has no chat template; send a plain prompt", field="messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"message {i} needs a 'role' and a 'content'", field="messages")
-        text = self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self._tok.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
         return list(self._tok(text, add_special_tokens=False).input_ids)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:

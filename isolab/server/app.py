@@ -25,14 +25,17 @@ from isolab.server.metrics import CONTENT_TYPE, ServerMetrics
 from isolab.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from isolab.server.serving import Serving
-from isolab.server.settings import ServerConfig
+from isolab.server.settings import ServerConfig, model_slug
 from isolab.server.state import ServerState, server_state
 from isolab.server.tenants import Tenant, TenantRegistry
+from isolab.server.tokenize import Tokenization
 
 log = logging.getLogger("isolab.server")
 
@@ -59,7 +62,9 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
 
 def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig) -> ServerState:
     engine_loop = EngineLoop(engine)
-    model_name = config.served_model_name or engine.bundle.name
+    names = config.served_model_names or tuple(dict.fromkeys((model_slug(engine.bundle.path.stem),
+                                                              engine.bundle.name)))
+    model_name = names[0]
     capacity = engine.config.scheduler.max_num_seqs + config.max_queue
 
     def queue_length() -> int:
@@ -67,9 +72,10 @@ def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfi
 
     numerics = engine.model.numerics  # measured once at start (models/invariance.py); read-only after
     metrics = ServerMetrics(lambda: engine_loop.stats, queue_length, numerics)
-    serving = Serving(engine_loop, config, metrics, model_name, engine.tokenizer, engine.max_model_len, capacity)
+    serving = Serving(engine_loop, config, metrics, names, engine.tokenizer, engine.max_model_len, capacity)
     return ServerState(config=config, tenants=tenants, engine_loop=engine_loop, metrics=metrics, serving=serving,
-                       model_name=model_name, capacity=capacity, numerics=numerics)
+                       tokenization=Tokenization(engine.tokenizer, names, engine.max_model_len),
+                       model_name=model_name, model_names=names, capacity=capacity, numerics=numerics)
 
 
 @asynccontextmanager
@@ -98,7 +104,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, created=int(state.started))])
+        return ModelList(data=[ModelCard(id=n, created=int(state.started)) for n in state.model_names])
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(state.tokenization.tokenize(body))
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(state.tokenization.detokenize(body))
 
     @app.get("/health")
     async def health() -> Response:

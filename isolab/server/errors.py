@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from isolab.errors import InvalidRequestError, PromptTooLongError, RequestAborted
-from isolab.server.protocol import ErrorInfo, ErrorResponse, RefusedField
+from isolab.server.protocol import ErrorInfo, ErrorResponse
+from isolab.server.refused import RefusedField
 
 log = logging.getLogger("isolab.server")
 

@@ -170,7 +170,7 @@ class ChatFormat:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             ids = self.tok.apply_chat_template(messages)
         except InvalidRequestError as exc:

@@ -1,7 +1,7 @@
 """Owns the gate in front of every route: metrics count, drain, auth, body limit (ASGI middleware).
 
     client -> Gate: count the reply's status -> 503 while draining -> 401 without a valid key
-                    (on /v1/*) -> 413 past the body limit -> FastAPI routes
+                    (on /v1/*, /tokenize, /detokenize) -> 413 past the body limit -> FastAPI routes
 
 The body is read once here (up to the limit, never past it) and replayed to the app. The tenant
 goes into the request's scope state. Does not know the routes' logic or the reply formats.
@@ -14,7 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from isolab.server.errors import ApiError, shutting_down
 from isolab.server.state import ServerState
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics")
+GATED = ("/v1/", "/tokenize", "/detokenize")  # paths that need a tenant's key
 
 
 class Gate:
@@ -43,7 +44,7 @@ class Gate:
             self.state.metrics.http_requests.labels(route, str(status["code"])).inc()
 
     async def _gated(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        if path.startswith("/v1/"):
+        if path.startswith(GATED):
             if self.state.draining:
                 await shutting_down(headers={"Connection": "close"}).response()(scope, receive, send)
                 return

@@ -19,48 +19,11 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from isolab.sampling_params import MAX_TOP_LOGPROBS
+from isolab.server.refused import REFUSED, RefusedField
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
-
-
-# Fields peers honour that this server does not (yet): refused with a 400 that names them.
-REFUSED: dict[str, str] = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "guided_json": "structured outputs are not supported yet",
-    "guided_regex": "structured outputs are not supported yet",
-    "guided_choice": "structured outputs are not supported yet",
-    "guided_grammar": "structured outputs are not supported yet",
-    "guided_decoding_backend": "structured outputs are not supported yet",
-    "structured_outputs": "structured outputs are not supported yet",
-    "grammar": "grammars are not supported yet",
-    "json_schema": "structured outputs are not supported yet",
-    "chat_template": "a per-request chat template is not supported",
-    "chat_template_kwargs": "chat template arguments are not supported yet",
-    "prompt_logprobs": "prompt logprobs are not supported yet",
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "beam search is not supported",
-    "typical_p": "typical sampling is not supported",
-    "tfs_z": "tail-free sampling is not supported",
-    "mirostat": "mirostat sampling is not supported",
-    "mirostat_tau": "mirostat sampling is not supported",
-    "mirostat_eta": "mirostat sampling is not supported",
-    "include_stop_str_in_output": "stop strings are always cut from the output",
-    "skip_special_tokens": "special tokens are always skipped",
-    "truncate_prompt_tokens": "prompts are never truncated: a long prompt is refused",
-    "add_generation_prompt": "the chat template always adds the generation prompt",
-    "continue_final_message": "continuing the final message is not supported",
-    "audio": "audio is not supported",
-    "modalities": "only text is supported",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "this model has no reasoning mode",
-    "web_search_options": "web search is not supported",
-}
 
 
 class BaseRequest(BaseModel):
@@ -121,14 +84,6 @@ class BaseRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class RefusedField(ValueError):
-    """A field a peer honours and this server does not: the error handler answers 400 naming it."""
-
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"{name} is not supported by this server: {why}")
-        self.name = name
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
@@ -154,6 +109,10 @@ class ChatMessage(BaseModel):
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it ('developer' is OpenAI's newer name for 'system')."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -168,6 +127,23 @@ class ChatCompletionRequest(BaseRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True  # prompt only
+    add_generation_prompt: StrictBool = True  # messages only
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # -- replies ----------------------------------------------------------------------------------------

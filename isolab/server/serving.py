@@ -44,11 +44,12 @@ BodyT = TypeVar("BodyT", bound=BaseRequest)
 
 class Serving:
     def __init__(self, engine_loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
-                 model_name: str, tokenizer: Tokenizer, max_model_len: int, capacity: int) -> None:
+                 model_names: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int, capacity: int) -> None:
         self.loop = engine_loop
         self.config = config
         self.metrics = metrics
-        self.model_name = model_name
+        self.model_names = model_names  # the id, then aliases: a request may name any
+        self.model_name = model_names[0]  # what replies carry
         self.tok = tokenizer
         self.capacity = capacity  # engine requests admitted at once: running slots + queue
         limits = Limits(config, max_model_len)
@@ -84,8 +85,9 @@ class Serving:
 
     # -- checks -----------------------------------------------------------------------------------------
     def _check_common(self, body: BaseRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+        if body.model is not None and body.model not in self.model_names:
+            names = ", ".join(repr(n) for n in self.model_names)
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
         if body.n > self.config.max_n:
             raise ApiError(400, f"n must be at most {self.config.max_n}", param="n")

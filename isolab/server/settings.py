@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from isolab.errors import InvalidRequestError
@@ -25,7 +26,9 @@ class ServerConfig:
     # Engine requests admitted beyond the running slots; past this a request gets 429.
     max_queue: int = 256
     retry_after_s: int = 1  # the Retry-After a 429 carries
-    served_model_name: str | None = None  # None: the model bundle's name
+    # The model ids clients may send: the first is the id replies carry and /v1/models lists first,
+    # the rest are aliases. (): a slug of the file's name, then the GGUF's general.name.
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -38,5 +41,15 @@ class ServerConfig:
             positive(name)
         if self.max_prompt_tokens is not None:
             positive("max_prompt_tokens")
+        names = self.served_model_names
+        if any(not isinstance(n, str) or not n.strip() for n in names) or len(set(names)) != len(names):
+            raise InvalidRequestError("served model names must be distinct non-empty strings",
+                                      field="served_model_names")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InvalidRequestError(f"max_queue must be an integer >= 0, not {self.max_queue!r}", field="max_queue")
+
+
+def model_slug(text: str) -> str:
+    """A model id that survives URLs, shells and config files: 'SmolLM2-135M-Instruct.Q4_1' ->
+    'smollm2-135m-instruct-q4_1' (lowercase; runs of anything but letters, digits and _ become -)."""
+    return re.sub(r"[^a-z0-9_]+", "-", text.lower()).strip("-") or "model"

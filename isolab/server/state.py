@@ -19,6 +19,7 @@ from isolab.server.metrics import ServerMetrics
 from isolab.server.serving import Serving
 from isolab.server.settings import ServerConfig
 from isolab.server.tenants import TenantRegistry
+from isolab.server.tokenize import Tokenization
 
 
 @dataclass
@@ -29,7 +30,9 @@ class ServerState:
     engine_loop: EngineLoop
     metrics: ServerMetrics
     serving: Serving
-    model_name: str  # the served name (--served-model-name, else the bundle's)
+    tokenization: Tokenization  # /tokenize and /detokenize
+    model_name: str  # the served id: model_names[0]
+    model_names: tuple[str, ...]  # the id, then its aliases (--served-model-name NAME [ALIAS ...])
     capacity: int  # engine requests admitted at once: running slots + queue
     numerics: InvarianceReport  # measured once at start (models/invariance.py); read-only after
     started: float = field(default_factory=time.time)

@@ -134,7 +134,7 @@ def test_stop_string_is_cut_out_streamed_and_not(srv):
 
 def test_models_and_health(srv):
     models = srv.client().models.list()
-    assert [m.id for m in models.data] == [srv.model]
+    assert [m.id for m in models.data] == [srv.model, srv.engine.bundle.name]  # the slug id, then the GGUF name
     health = httpx.get(srv.url + "/health").json()
     numerics = srv.engine.model.numerics  # the start-up invariance check, as /health and /metrics report it
     assert health == {"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,

@@ -6,6 +6,7 @@ import pytest
 
 from isolab.bench.http_bench import percentiles, run_http_bench
 from isolab.server import TenantRegistry
+from isolab.server.settings import model_slug
 
 
 def test_percentiles():
@@ -20,7 +21,7 @@ def test_run_http_bench_counts_every_token(server_factory, tiny_bundle):
     r = run_http_bench(srv.url + "/v1", "sk-b", None, prompts, [8, 8, 8, 5, 5, 5], 3)
     assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == []
     assert r["output_tokens"] == 39 and r["tokens_counted_from"] == "usage"
-    assert r["model"] == srv.engine.bundle.name and r["output_tokens_per_s"] > 0
+    assert r["model"] == model_slug(srv.engine.bundle.path.stem) and r["output_tokens_per_s"] > 0
     assert r["ttft_s"]["p50"] is not None and r["e2e_s"]["p99"] >= r["ttft_s"]["p99"]
     bad = run_http_bench(srv.url, "sk-wrong", r["model"], prompts[:2], [4, 4], 2)
     assert bad["completed"] == 0 and bad["failed"] == 2 and "HTTP 401" in bad["errors"][0]

@@ -1,0 +1,51 @@
+"""Owns the fields this server refuses by name: what peers (OpenAI, vLLM, SGLang, llama.cpp) honour
+and we do not (yet), each with the sentence the 400 carries. protocol.py checks every body against
+it before validation; errors.py turns a RefusedField into a 400 whose `param` is the field.
+"""
+
+from __future__ import annotations
+
+# Fields peers honour that this server does not (yet): refused with a 400 that names them.
+REFUSED: dict[str, str] = {
+    "tools": "tool calling is not supported yet",
+    "tool_choice": "tool calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "guided_json": "structured outputs are not supported yet",
+    "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet",
+    "guided_grammar": "structured outputs are not supported yet",
+    "guided_decoding_backend": "structured outputs are not supported yet",
+    "structured_outputs": "structured outputs are not supported yet",
+    "grammar": "grammars are not supported yet",
+    "json_schema": "structured outputs are not supported yet",
+    "chat_template": "a per-request chat template is not supported",
+    "chat_template_kwargs": "chat template arguments are not supported yet",
+    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "typical_p": "typical sampling is not supported",
+    "tfs_z": "tail-free sampling is not supported",
+    "mirostat": "mirostat sampling is not supported",
+    "mirostat_tau": "mirostat sampling is not supported",
+    "mirostat_eta": "mirostat sampling is not supported",
+    "include_stop_str_in_output": "stop strings are always cut from the output",
+    "skip_special_tokens": "special tokens are always skipped",
+    "truncate_prompt_tokens": "prompts are never truncated: a long prompt is refused",
+    "add_generation_prompt": "the chat template always adds the generation prompt",
+    "continue_final_message": "continuing the final message is not supported",
+    "audio": "audio is not supported",
+    "modalities": "only text is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no reasoning mode",
+    "web_search_options": "web search is not supported",
+}
+
+
+class RefusedField(ValueError):
+    """A field a peer honours and this server does not: the error handler answers 400 naming it."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"{name} is not supported by this server: {why}")
+        self.name = name

@@ -1,0 +1,53 @@
+"""Owns /tokenize and /detokenize (vLLM's shapes): the served model's tokenizer, behind the same
+API keys as /v1/* (the gate), so a tenant can count and inspect tokens before it sends them.
+
+    POST /tokenize    {"prompt": str, "add_special_tokens": true}            -> {count, max_model_len, tokens}
+                      {"messages": [...], "add_generation_prompt": true}
+    POST /detokenize  {"tokens": [int, ...]}                                  -> {prompt}
+
+Stateless: the tokenizer is shared and read-only; nothing here touches the engine or the cache,
+and nothing is logged. Does not know routing (app.py) or the error shape (errors.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from isolab.errors import InvalidRequestError
+from isolab.models.tokenizer import Tokenizer
+from isolab.server.errors import ApiError, api_error
+from isolab.server.protocol import DetokenizeRequest, TokenizeRequest
+
+
+class Tokenization:
+    def __init__(self, tokenizer: Tokenizer, model_names: tuple[str, ...], max_model_len: int) -> None:
+        self.tok = tokenizer
+        self.model_names = model_names
+        self.max_model_len = max_model_len
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.model_names)}", param="model", code="model_not_found")
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send exactly one of prompt and messages", param="prompt")
+        try:
+            if body.messages is not None:
+                messages = [m.for_template() for m in body.messages]
+                ids = self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            else:
+                assert body.prompt is not None
+                ids = self.tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(body.model)
+        bad = [t for t in body.tokens if t >= self.tok.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {self.tok.vocab_size}); got {bad[0]}", param="tokens")
+        return {"prompt": self.tok.decode(body.tokens)}
