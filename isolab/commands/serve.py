@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -31,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model id clients send, then aliases they may send instead (default: a slug of the "
                         "file name, e.g. smollm2-135m-instruct-q4_1, then the GGUF's general.name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the GGUF's (as vLLM's flag)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (1 MiB)")
     g.add_argument("--max-prompt-tokens", type=int, default=None, help="longer prompts get 400 (default: the context)")
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit, max_n=args.max_n, max_queue=args.max_queue,
         served_model_names=tuple(args.served_model_name or ()),
+        chat_template=_read_template(args.chat_template),
     )
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config(args))
@@ -72,6 +76,18 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     engine.close()
     return 0
+
+
+def _read_template(path: str | None) -> str | None:
+    from isolab.errors import InvalidRequestError
+
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"--chat-template {path!r} cannot be read ({exc.__class__.__name__})",
+                                  field="chat_template") from None
 
 
 class DrainingServer(uvicorn.Server):

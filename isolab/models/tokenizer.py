@@ -7,9 +7,9 @@ cached on disk by file fingerprint, so a second start skips the slow conversion.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from isolab.errors import InvalidRequestError, ModelLoadError
 
@@ -58,14 +58,28 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        if not self.has_chat_template:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True, *,
+                            template: str | None = None, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The messages through the chat template: the GGUF's, or `template` (a Jinja text) when
+        given; template_kwargs are extra variables the template may read. A template that fails to
+        render is an InvalidRequestError naming chat_template_kwargs (or messages)."""
+        if template is None and not self.has_chat_template:
             raise InvalidRequestError("this model's GGUF has no chat template; send a plain prompt", field="messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"message {i} needs a 'role' and a 'content'", field="messages")
-        text = self._tok.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        extra = dict(template_kwargs or {})
+        clash = {"messages", "add_generation_prompt", "chat_template", "tokenize", "conversation"} & set(extra)
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(sorted(clash))}",
+                                      field="chat_template_kwargs")
+        try:
+            text = self._tok.apply_chat_template(list(messages), tokenize=False, chat_template=template,
+                                                 add_generation_prompt=add_generation_prompt, **extra)
+        except Exception as exc:  # jinja2's TemplateError and whatever the template raises
+            field = "chat_template_kwargs" if extra else "messages"
+            raise InvalidRequestError(f"the chat template failed to render: {type(exc).__name__}: {exc}",
+                                      field=field) from None
         return list(self._tok(text, add_special_tokens=False).input_ids)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from isolab.engine.llm_engine import LLMEngine
+from isolab.errors import InvalidRequestError
 from isolab.server.engine_loop import EngineLoop
 from isolab.server.errors import install_handlers
 from isolab.server.gate import Gate
@@ -62,6 +63,11 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
 
 def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig) -> ServerState:
     engine_loop = EngineLoop(engine)
+    if config.chat_template is not None:  # a template that cannot render refuses to start, in one sentence
+        try:
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=config.chat_template)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"--chat-template: {exc}", field="chat_template") from None
     names = config.served_model_names or tuple(dict.fromkeys((model_slug(engine.bundle.path.stem),
                                                               engine.bundle.name)))
     model_name = names[0]
@@ -74,7 +80,7 @@ def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfi
     metrics = ServerMetrics(lambda: engine_loop.stats, queue_length, numerics)
     serving = Serving(engine_loop, config, metrics, names, engine.tokenizer, engine.max_model_len, capacity)
     return ServerState(config=config, tenants=tenants, engine_loop=engine_loop, metrics=metrics, serving=serving,
-                       tokenization=Tokenization(engine.tokenizer, names, engine.max_model_len),
+                       tokenization=Tokenization(engine.tokenizer, names, engine.max_model_len, config.chat_template),
                        model_name=model_name, model_names=names, capacity=capacity, numerics=numerics)
 
 

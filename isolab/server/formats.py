@@ -172,7 +172,8 @@ class ChatFormat:
             raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         messages = [m.for_template() for m in body.messages]
         try:
-            ids = self.tok.apply_chat_template(messages)
+            ids = self.tok.apply_chat_template(messages, template=self.limits.config.chat_template,
+                                               template_kwargs=body.chat_template_kwargs)
         except InvalidRequestError as exc:
             raise api_error(exc) from None
         self.limits.check_prompt(ids)

@@ -36,9 +36,10 @@ class BaseRequest(BaseModel):
     @classmethod
     def _refuse_peer_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            refused = cls.refused()
             for name in data:
-                if name in REFUSED and data[name] is not None and name not in cls.model_fields:
-                    raise RefusedField(name, REFUSED[name])
+                if name in refused and data[name] is not None and name not in cls.model_fields:
+                    raise RefusedField(name, refused[name])
         return data
 
     @model_validator(mode="wrap")
@@ -46,8 +47,14 @@ class BaseRequest(BaseModel):
     def _record_ignored(cls, data: Any, handler: Any) -> Any:
         model = handler(data)
         if isinstance(data, dict):
-            model._ignored = tuple(sorted(k for k in data if k not in cls.model_fields and k not in REFUSED))
+            refused = cls.refused()
+            model._ignored = tuple(sorted(k for k in data if k not in cls.model_fields and k not in refused))
         return model
+
+    @classmethod
+    def refused(cls) -> dict[str, str]:
+        """The fields this endpoint refuses by name (server/refused.py)."""
+        return REFUSED
 
     @property
     def ignored_params(self) -> tuple[str, ...]:
@@ -90,6 +97,10 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseRequest):
+    @classmethod
+    def refused(cls) -> dict[str, str]:
+        return {**REFUSED, "chat_template_kwargs": "chat template arguments apply to chat completions only"}
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: Literal[False] = Field(False, description="not supported: false only")
@@ -126,6 +137,7 @@ class ChatCompletionRequest(BaseRequest):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
 
 
@@ -138,6 +150,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True  # prompt only
     add_generation_prompt: StrictBool = True  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
 
 
 class DetokenizeRequest(BaseModel):

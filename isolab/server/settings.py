@@ -29,6 +29,7 @@ class ServerConfig:
     # The model ids clients may send: the first is the id replies carry and /v1/models lists first,
     # the rest are aliases. (): a slug of the file's name, then the GGUF's general.name.
     served_model_names: tuple[str, ...] = ()
+    chat_template: str | None = None  # a Jinja chat template (--chat-template FILE); None: the GGUF's
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

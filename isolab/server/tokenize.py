@@ -20,8 +20,10 @@ from isolab.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 class Tokenization:
-    def __init__(self, tokenizer: Tokenizer, model_names: tuple[str, ...], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_names: tuple[str, ...], max_model_len: int,
+                 chat_template: str | None = None) -> None:
         self.tok = tokenizer
+        self.chat_template = chat_template  # the server's (--chat-template), as the chat endpoint uses
         self.model_names = model_names
         self.max_model_len = max_model_len
 
@@ -37,7 +39,9 @@ class Tokenization:
         try:
             if body.messages is not None:
                 messages = [m.for_template() for m in body.messages]
-                ids = self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+                ids = self.tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   template=self.chat_template,
+                                                   template_kwargs=body.chat_template_kwargs)
             else:
                 assert body.prompt is not None
                 ids = self.tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

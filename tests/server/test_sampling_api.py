@@ -77,7 +77,7 @@ def test_min_tokens_holds_off_the_stop(srv, tiny_bundle, stream):
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"json": {}}), ("chat_template_kwargs", {"x": 1}), ("prompt_logprobs", 1),
+    ("structured_outputs", {"json": {}}), ("chat_template", "{{ x }}"), ("prompt_logprobs", 1),
     ("use_beam_search", True), ("typical_p", 0.5),
 ])
 def test_a_field_peers_honour_is_refused_by_name(srv, field, value):
@@ -87,6 +87,11 @@ def test_a_field_peers_honour_is_refused_by_name(srv, field, value):
         assert r.status_code == 400, (path, field, r.text)
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"]
+
+
+def test_chat_template_kwargs_on_completions_is_refused(srv):
+    r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "chat_template_kwargs": {"x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_the_official_client_sees_a_400_for_a_refused_field(srv):

@@ -35,6 +35,12 @@ def test_refuses_to_start_without_keys():
     assert "no API keys configured" in p.stderr and "--no-auth" in p.stderr
 
 
+def test_refuses_an_unreadable_chat_template(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "isolab.cli", "serve", "--no-auth", "--chat-template",
+                        str(tmp_path / "missing.jinja")], env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--chat-template" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_refuses_a_bad_keys_file(tmp_path):
     f = tmp_path / "keys"
     f.write_text("only-one-field\n")
