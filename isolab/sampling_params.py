@@ -2,12 +2,52 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from isolab.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match: frozen and hashable, so SamplingParams stays frozen."""
+
+    kind: GrammarKind
+    source: str  # json_schema: the schema as canonical JSON; regex; choice: a JSON list; lark; json_object: ""
+    field: str = "response_format"  # the request field it came from, named in a 400
+
+    @classmethod
+    def json_schema(cls, schema: Any, field: str = "response_format") -> GrammarSpec:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise InvalidRequestError(f"{field}: the JSON schema is not valid JSON", field=field) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{field}: a JSON schema must be an object", field=field)
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+
+    @classmethod
+    def choice(cls, options: Any, field: str = "guided_choice") -> GrammarSpec:
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError(f"{field} must be a non-empty list of non-empty strings", field=field)
+        return cls("choice", json.dumps(options), field)
+
+    def key(self, tokenizer_fingerprint: str) -> str:
+        h = hashlib.sha256()
+        for part in (self.kind, self.source, tokenizer_fingerprint):
+            b = part.encode()
+            h.update(len(b).to_bytes(8, "big") + b)  # length-prefixed: no two field lists collide
+        return h.hexdigest()
+
 
 
 @dataclass(frozen=True)
@@ -28,6 +68,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     min_p: float = 0.0  # [0, 1]; after temperature, drop tokens below min_p x the top probability
+    structured: GrammarSpec | None = None  # the output must match this grammar (engine/grammar.py)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -78,7 +119,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before choosing (penalties, bias, min_tokens)."""
         return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.structured)
 
     @property
     def greedy(self) -> bool:

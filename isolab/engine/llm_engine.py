@@ -21,6 +21,7 @@ from isolab.engine.audit import Auditor
 from isolab.engine.block_pool import BlockPool
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.events import EventSink, JsonlSink, NullSink
+from isolab.engine.grammar import GrammarCompiler
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage, bytes_per_block
 from isolab.engine.model_runner import ModelRunner
@@ -89,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None
         self.step_count = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -127,9 +129,18 @@ class LLMEngine:
             req.generator = make_generator(params.seed, self.model.device)
         if params.stop:
             req.detokenizer = Detokenizer(self.tokenizer)
+        if params.structured is not None:
+            req.matcher = self.grammars.matcher(self.grammars.compile(params.structured))
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.num_prompt_tokens += n
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, built on first use (compiled grammars are cached, shared)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.bundle.hparams.vocab_size, self.bundle.fingerprint)
+        return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are freed at once. False if it is unknown or done."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,9 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None  # this request's own RNG (C17)
     detokenizer: Detokenizer | None = None  # set iff params.stop: the stop checker's text, O(1) a token
+    # set iff params.structured: this request's own grammar state (llguidance.LLMatcher), never shared;
+    # the sampler masks with it, Scheduler.update advances it by each sampled token
+    matcher: Any = None
     # Keys of the request's full blocks, chained from the first (see hashing.py).
     block_keys: list[BlockKey] = field(default_factory=list)
 

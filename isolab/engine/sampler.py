@@ -45,7 +45,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
 
     Rows that ask for nothing are the input's rows, untouched. For the others, in this order (as
     vLLM): repetition penalty over prompt + output tokens, frequency and presence penalties over
-    output tokens, logit_bias, then min_tokens masks EOS and the stop tokens. Each is elementwise
+    output tokens, logit_bias, then min_tokens masks EOS and the stop tokens, and last the
+    request's grammar (structured outputs) masks what its own matcher forbids. Each is elementwise
     in its row, so a row's result never depends on the others (batch invariance holds). One
     tensor op per rule for all asking rows; the Python work is building the index lists.
     """
@@ -88,9 +89,26 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
     dead = torch.isneginf(sub).all(dim=-1)  # every token masked (stop_token_ids naming the vocabulary):
     if bool(dead.any()):  # the request asked for the impossible; it samples from its raw row instead
         sub[dead] = logits[idx][dead]
+    grammar_rows = [b for b, r in enumerate(reqs) if r.matcher is not None]
+    if grammar_rows:  # last: nothing above may let a token through that the grammar forbids
+        sub[grammar_rows] = _grammar_mask(sub[grammar_rows], [reqs[b].matcher for b in grammar_rows], eos_token_id)
     out = logits.clone()
     out[idx] = sub
     return out
+
+
+def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) -> torch.Tensor:
+    """(G, V) -> (G, V): each row's tokens that its own matcher forbids at -inf (row i, matcher i only)."""
+    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+    mask = allocate_token_bitmask(len(matchers), rows.shape[1])
+    for i, m in enumerate(matchers):
+        fill_next_token_bitmask(m, mask, i)
+    apply_token_bitmask_inplace(rows, mask)
+    dead = torch.isneginf(rows).all(dim=-1)  # a matcher in error allows nothing: end the row with EOS
+    if bool(dead.any()) and eos_token_id is not None and eos_token_id < rows.shape[1]:
+        rows[dead, eos_token_id] = 0.0
+    return rows
 
 
 def sample(

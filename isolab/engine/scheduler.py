@@ -120,6 +120,10 @@ class Scheduler:
         return finished
 
     def _check_stop(self, req: Request, token: int) -> bool:
+        grammar_done = False
+        if req.matcher is not None:  # this request's own grammar state moves with its own token
+            req.matcher.consume_token(token)
+            grammar_done = bool(req.matcher.is_stopped())
         text, new_len = "", 0
         if req.detokenizer is not None:  # only requests with stop strings decode here
             det = req.detokenizer
@@ -129,6 +133,7 @@ class Scheduler:
         decision = check_stop(
             req.params, token, num_output_tokens=len(req.output_token_ids), num_tokens=req.num_tokens,
             eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, text=text, new_text_len=new_len,
+            grammar_done=grammar_done,
         )
         if decision is None:
             return False

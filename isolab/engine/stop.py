@@ -5,7 +5,8 @@ that the new token completed (plus the few characters before it that a stop stri
 in), so one call costs O(len(new text) + longest stop string), not a re-decode of the output.
 Does not finish requests (the scheduler does) nor decode tokens (the request's Detokenizer).
 
-Order of the rules, first match wins (before min_tokens output tokens, only rule 4):
+Order of the rules, first match wins (before min_tokens output tokens, only rules 0 and 4):
+  0. the request's grammar is complete (structured outputs): "stop", no stop_reason;
   1. the tokenizer's EOS (unless ignore_eos): "stop", no stop_reason;
   2. a token of stop_token_ids: "stop", stop_reason = the token;
   3. a stop string that ends in the new text: "stop", stop_reason = the string;
@@ -51,9 +52,12 @@ def check_stop(
     max_model_len: int,
     text: str = "",
     new_text_len: int = 0,
+    grammar_done: bool = False,
 ) -> StopDecision | None:
     """After `token` was appended: the decision, or None to go on. text: the output decoded so far.
     Before min_tokens output tokens only the length rule applies."""
+    if grammar_done:  # the structured output is complete: nothing but EOS may follow
+        return StopDecision(RequestStatus.FINISHED_STOPPED, None)
     if num_output_tokens < params.min_tokens:
         full = num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
         return StopDecision(RequestStatus.FINISHED_LENGTH, None) if full else None

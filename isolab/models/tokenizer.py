@@ -49,6 +49,11 @@ class Tokenizer:
         self.vocab_size = len(self._tok)
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer underneath (for libraries that take one, e.g. llguidance)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 

@@ -78,7 +78,8 @@ def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfi
 
     numerics = engine.model.numerics  # measured once at start (models/invariance.py); read-only after
     metrics = ServerMetrics(lambda: engine_loop.stats, queue_length, numerics)
-    serving = Serving(engine_loop, config, metrics, names, engine.tokenizer, engine.max_model_len, capacity)
+    serving = Serving(engine_loop, config, metrics, names, engine.tokenizer, engine.max_model_len, capacity,
+                      engine.grammars)  # built here, before the engine thread starts
     return ServerState(config=config, tenants=tenants, engine_loop=engine_loop, metrics=metrics, serving=serving,
                        tokenization=Tokenization(engine.tokenizer, names, engine.max_model_len, config.chat_template),
                        model_name=model_name, model_names=names, capacity=capacity, numerics=numerics)

@@ -168,8 +168,6 @@ class ChatFormat:
     def plan(self, body: ChatCompletionRequest) -> Plan:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         messages = [m.for_template() for m in body.messages]
         try:
             ids = self.tok.apply_chat_template(messages, template=self.limits.config.chat_template,

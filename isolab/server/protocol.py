@@ -84,6 +84,13 @@ class BaseRequest(BaseModel):
         None, description="token id (as a string) -> bias added to its logit")
     min_p: Annotated[Number, Field(ge=0.0, le=1.0)] = Field(0.0, description="extension: 0 = off")
     min_tokens: NonNegInt = Field(0, description="extension: no stop before this many tokens")
+    # structured outputs (server/structured.py): at most one of these
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object or json_schema")
+    guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema")
+    guided_regex: str | None = Field(None, description="extension (vLLM)")
+    guided_choice: list[str] | None = Field(None, description="extension (vLLM)")
+    structured_outputs: dict[str, Any] | None = Field(None, description="extension (vLLM): json, regex or choice")
+    json_schema: dict[str, Any] | None = Field(None, description="extension (llama.cpp's server)")
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -138,7 +145,6 @@ class ChatCompletionRequest(BaseRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
 
 
 class TokenizeRequest(BaseModel):

@@ -23,10 +23,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from isolab.engine.detokenize import Detokenizer
+from isolab.engine.grammar import GrammarCompiler
 from isolab.engine.llm_engine import RequestOutput
 from isolab.errors import InvalidRequestError, RequestAborted
 from isolab.models.tokenizer import Tokenizer
-from isolab.sampling_params import SamplingParams
+from isolab.sampling_params import GrammarSpec, SamplingParams
 from isolab.server.call import Call, Choice
 from isolab.server.engine_loop import EngineLoop, EngineRequest
 from isolab.server.errors import ApiError, api_error
@@ -35,6 +36,7 @@ from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import BaseRequest, ChatCompletionRequest, CompletionRequest
 from isolab.server.replies import collected, streamed
 from isolab.server.settings import ServerConfig
+from isolab.server.structured import structured_spec
 from isolab.server.tenants import Tenant
 
 log = logging.getLogger("isolab.server")
@@ -44,7 +46,8 @@ BodyT = TypeVar("BodyT", bound=BaseRequest)
 
 class Serving:
     def __init__(self, engine_loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
-                 model_names: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int, capacity: int) -> None:
+                 model_names: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int, capacity: int,
+                 grammars: GrammarCompiler) -> None:
         self.loop = engine_loop
         self.config = config
         self.metrics = metrics
@@ -52,6 +55,7 @@ class Serving:
         self.model_name = model_names[0]  # what replies carry
         self.tok = tokenizer
         self.capacity = capacity  # engine requests admitted at once: running slots + queue
+        self.grammars = grammars  # compiled grammars are shared read-only; matchers are per request
         limits = Limits(config, max_model_len)
         self.completion_format = CompletionFormat(tokenizer, limits)
         self.chat_format = ChatFormat(tokenizer, limits)
@@ -96,7 +100,13 @@ class Serving:
     def _new_call(self, fmt: Format[BodyT], body: BodyT, plan: Plan) -> tuple[Call, list[EngineRequest]]:
         """The call's choices and their engine requests: prompt i, choice j is choice i * n + j."""
         arrival = time.monotonic()
-        params = [self._sampling_params(body, plan, seed_offset=j) for j in range(body.n)]
+        structured = structured_spec(body)
+        if structured is not None:
+            try:  # compile here (cached, shared): a bad schema is a 400 before anything is queued
+                self.grammars.compile(structured)
+            except InvalidRequestError as exc:
+                raise api_error(exc) from None
+        params = [self._sampling_params(body, plan, structured, seed_offset=j) for j in range(body.n)]
         response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         choices, engine_requests = [], []
         for p_i, ids in enumerate(plan.prompts):
@@ -111,7 +121,8 @@ class Serving:
                     body.stream, include_usage, arrival, self.metrics)
         return call, engine_requests
 
-    def _sampling_params(self, body: BaseRequest, plan: Plan, seed_offset: int) -> SamplingParams:
+    def _sampling_params(self, body: BaseRequest, plan: Plan, structured: GrammarSpec | None,
+                         seed_offset: int) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=plan.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -119,7 +130,7 @@ class Serving:
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),
-                min_p=body.min_p, min_tokens=body.min_tokens,
+                min_p=body.min_p, min_tokens=body.min_tokens, structured=structured,
             )
         except InvalidRequestError as exc:
             raise api_error(exc) from None

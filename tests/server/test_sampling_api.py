@@ -76,8 +76,8 @@ def test_min_tokens_holds_off_the_stop(srv, tiny_bundle, stream):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"json": {}}), ("chat_template", "{{ x }}"), ("prompt_logprobs", 1),
+    ("guided_grammar", "root ::= 'a'"), ("grammar", "root ::= 'a'"), ("chat_template", "{{ x }}"),
+    ("prompt_logprobs", 1),
     ("use_beam_search", True), ("typical_p", 0.5),
 ])
 def test_a_field_peers_honour_is_refused_by_name(srv, field, value):

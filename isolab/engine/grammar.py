@@ -1,0 +1,86 @@
+"""Owns structured outputs: grammars compiled once and shared read-only, and one matcher per request.
+
+The seed's rule, applied to grammars: the compiled grammar is immutable and shared (a cache
+keyed by a SHA-256 over the spec's kind, its canonical text and the tokenizer's fingerprint, like
+every other cache key here); the matcher, which moves with each sampled token, belongs to one
+request and is never shared. A mask changes only its own row's logits, so batch invariance and
+the isolation guarantee hold with constrained requests in the batch.
+
+Uses llguidance (its Rust matcher; 3 MB, no dependencies) for JSON schemas, regular expressions
+and Lark grammars. Does not know HTTP (the server turns OpenAI's response_format and vLLM's
+guided_* fields into a GrammarSpec) nor the sampler's other rules.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from isolab.errors import InvalidRequestError
+from isolab.sampling_params import GrammarSpec
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance._lib import JsonCompileOptions
+
+    from isolab.models.tokenizer import Tokenizer
+
+# Compact JSON (no free whitespace): a small model otherwise fills its budget with newlines.
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    key: str
+    grammar: str  # llguidance's grammar text, validated against the tokenizer: read-only, shared
+
+
+class GrammarCompiler:
+    """One per engine (one tokenizer). compile() is cached; matcher() makes a request's own state."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, fingerprint: str) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._ll = llguidance
+        self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        self._cache: dict[str, CompiledGrammar] = {}
+        self._lock = threading.Lock()  # the server compiles on its handlers' threads
+        self.num_compiled = 0
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        key = spec.key(self.fingerprint)
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        M = self._ll.LLMatcher
+        if spec.kind == "json_schema":
+            text = M.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+        elif spec.kind == "json_object":
+            text = M.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
+        elif spec.kind == "regex":
+            text = M.grammar_from_regex(spec.source)
+        elif spec.kind == "choice":
+            text = M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(spec.source)))
+        else:
+            text = M.grammar_from_lark(spec.source)
+        error = M.validate_grammar(text, self.lltok)
+        if error:
+            raise InvalidRequestError(f"{spec.field}: the grammar is not valid: {error}", field=spec.field)
+        compiled = CompiledGrammar(key, text)
+        with self._lock:
+            self._cache.setdefault(key, compiled)
+            self.num_compiled += 1
+        return compiled
+
+    def matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
+        """A fresh matcher: this request's own parser state, never shared."""
+        m = self._ll.LLMatcher(self.lltok, compiled.grammar)
+        if m.is_error():
+            raise InvalidRequestError(f"the grammar could not start: {m.get_error()}", field="response_format")
+        return m
