@@ -97,16 +97,25 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
     return out
 
 
-def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) -> torch.Tensor:
-    """(G, V) -> (G, V): each row's tokens that its own matcher forbids at -inf (row i, matcher i only)."""
-    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+_BIT = torch.arange(32, dtype=torch.int32)  # bit i of a 32-bit word: token 32 * word + i
 
-    mask = allocate_token_bitmask(len(matchers), rows.shape[1])
+
+def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) -> torch.Tensor:
+    """(G, V) -> (G, V): each row's tokens that its own matcher forbids at -inf (row i, matcher i only).
+
+    llguidance fills one 32-bit word per 32 tokens; the words are unpacked here with plain tensor
+    ops (llguidance.torch's own apply compiles a TorchScript kernel on first use, 1.5 s).
+    """
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    G, V = rows.shape
+    words = allocate_token_bitmask(G, V)  # (G, ceil(V / 32)) int32
     for i, m in enumerate(matchers):
-        fill_next_token_bitmask(m, mask, i)
-    apply_token_bitmask_inplace(rows, mask)
+        fill_next_token_bitmask(m, words, i)
+    allowed = ((words.unsqueeze(-1) >> _BIT.to(words.device)) & 1).view(G, -1)[:, :V].bool()  # (G, V)
+    rows = rows.masked_fill(~allowed.to(rows.device), float("-inf"))
     dead = torch.isneginf(rows).all(dim=-1)  # a matcher in error allows nothing: end the row with EOS
-    if bool(dead.any()) and eos_token_id is not None and eos_token_id < rows.shape[1]:
+    if bool(dead.any()) and eos_token_id is not None and eos_token_id < V:
         rows[dead, eos_token_id] = 0.0
     return rows
 
