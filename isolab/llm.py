@@ -30,6 +30,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # SamplingParams.prompt_logprobs only: one per prompt token, None for the first (nothing before it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class LLM:
@@ -115,12 +117,15 @@ class LLM:
                 added.append(rid)
             final: dict[str, RequestOutput] = {}
             lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+            plps: dict[str, tuple[TokenLogprob, ...]] = {}
             while len(final) < len(ids):
                 step = self.engine.step()
                 if on_step:
                     on_step(step)
                 for o in step:
                     lps[o.request_id].extend(o.new_logprobs)
+                    if o.prompt_logprobs is not None:
+                        plps[o.request_id] = o.prompt_logprobs
                     if o.finished:
                         if o.error is not None:
                             raise o.error
@@ -139,5 +144,6 @@ class LLM:
                 finish_reason=o.finish_reason,
                 num_cached_tokens=o.num_cached_tokens,
                 logprobs=tuple(lps[rid]) if sp.logprobs is not None else None,
+                prompt_logprobs=(None, *plps.get(rid, ())) if sp.prompt_logprobs is not None else None,
             ))
         return out

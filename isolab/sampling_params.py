@@ -69,6 +69,9 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     min_p: float = 0.0  # [0, 1]; after temperature, drop tokens below min_p x the top probability
     structured: GrammarSpec | None = None  # the output must match this grammar (engine/grammar.py)
+    # None: no prompt logprobs; N >= 0: each prompt token's logprob given the tokens before it (the
+    # first has none), with the top N. Such a request computes its whole prompt: no prefix-cache hit.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
@@ -93,8 +96,10 @@ class SamplingParams:
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOP_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}], not {v!r}")
 
         for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
             v = getattr(self, name)

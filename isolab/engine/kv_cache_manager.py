@@ -91,8 +91,8 @@ class KVCacheManager:
     # -- lookup -----------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> CachedPrefix:
         """The longest run of cached blocks that starts the request's tokens."""
-        if not self.enable_prefix_caching:
-            return NO_PREFIX
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return NO_PREFIX  # prompt logprobs need every prompt position computed
         bs = self.block_size
         keys = self.update_block_keys(request)
         max_blocks = (request.num_tokens - 1) // bs

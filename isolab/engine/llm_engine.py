@@ -46,6 +46,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: IsolabError | None = None
+    # params.prompt_logprobs only, on the request's first output: entry i is prompt token i + 1's
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class LLMEngine:
@@ -225,6 +227,8 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             error=error,
+            prompt_logprobs=tuple(req.prompt_logprobs)
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == len(new) else None,
         )
 
     # -- introspection ------------------------------------------------------------------------------------

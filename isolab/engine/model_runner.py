@@ -24,6 +24,7 @@ import torch
 from isolab import kernels
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_storage import KVStorage
+from isolab.engine.request import Request, TokenLogprob
 from isolab.engine.sampler import make_generator, sample
 from isolab.engine.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from isolab.faults import Faults
@@ -86,6 +87,10 @@ class StepInputs:
     positions: torch.Tensor  # (N,) their absolute positions
     attn: PagedAttention  # where each row's K/V go and which keys it reads
     last_rows: torch.Tensor | None  # (M,) the row of each sampling chunk's last token; None if none samples
+    # prompt logprobs: the rows whose next token is a prompt token, and per chunk (request, the first
+    # such prompt position + 1, how many); None/() when no chunk asks
+    prompt_rows: torch.Tensor | None = None  # (P,)
+    prompt_spans: tuple[tuple[Request, int, int], ...] = ()
 
 
 class ModelRunner:
@@ -111,22 +116,46 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every chunk's K/V into the pool, and sample one token for each sampling chunk."""
-        logits = self.forward(out)  # (M, V) float32: one row per sampling chunk, in chunk order
+        inputs = self.prepare(out)
+        hidden = self.model.forward(inputs.token_ids, inputs.positions, inputs.attn)  # (N, D)
+        prompt_lps = self._prompt_logprobs(hidden, inputs) if inputs.prompt_spans else ()
         sampling = [ch.request for ch in out.chunks if ch.samples]
-        if not sampling:
-            return ModelRunnerOutput(())
+        if inputs.last_rows is None:
+            return ModelRunnerOutput((), prompt_lps)
+        logits = self.model.logits(hidden[inputs.last_rows])  # (M, V) float32, one row per sampling chunk
         drawn = sample(logits, sampling, self.shared_generator, self.eos_token_id)
         return ModelRunnerOutput(tuple(
             SampledToken(req.request_id, token, lp) for req, (token, lp) in zip(sampling, drawn, strict=True)
-        ))
+        ), prompt_lps)
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """(M, V) float32 logits of the last row of each sampling chunk, in chunk order."""
+        """(M, V) float32 logits of the last row of each sampling chunk, in chunk order (no sampling)."""
         inputs = self.prepare(out)
         hidden = self.model.forward(inputs.token_ids, inputs.positions, inputs.attn)  # (N, D)
         if inputs.last_rows is None:
             return torch.empty(0, self.model.hp.vocab_size)
         return self.model.logits(hidden[inputs.last_rows])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> tuple[tuple[str, int, tuple[TokenLogprob, ...]], ...]:
+        """Each asking chunk's prompt tokens' logprobs: row p's distribution scores prompt token p + 1."""
+        assert inputs.prompt_rows is not None
+        logp = torch.log_softmax(self.model.logits(hidden[inputs.prompt_rows]), -1)  # (P, V), rows independent
+        k = max(req.params.prompt_logprobs or 0 for req, _, _ in inputs.prompt_spans)
+        top_v, top_i = torch.topk(logp, k) if k else (None, None)
+        out, row = [], 0
+        for req, first, n in inputs.prompt_spans:
+            nxt = torch.tensor(req.token_ids[first : first + n], device=logp.device)
+            picked = logp[torch.arange(row, row + n, device=logp.device), nxt].tolist()
+            want = req.params.prompt_logprobs or 0
+            lps = []
+            for j in range(n):
+                top: tuple[tuple[int, float], ...] = ()
+                if want and top_v is not None and top_i is not None:
+                    top = tuple(zip(top_i[row + j, :want].tolist(), top_v[row + j, :want].tolist(), strict=True))
+                lps.append(TokenLogprob(req.token_ids[first + j], float(picked[j]), top))
+            out.append((req.request_id, first, tuple(lps)))
+            row += n
+        return tuple(out)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's tensors: what the forward reads, built from the chunks and the cache manager."""
@@ -136,9 +165,16 @@ class ModelRunner:
         tables: list[list[int]] = []  # the context blocks of each chunk
         row_chunk: list[int] = []  # native path: the chunk of each row
         last_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
         dev = self.device
         for ci, ch in enumerate(out.chunks):
             req = ch.request
+            if req.params.prompt_logprobs is not None:  # rows whose next token is a prompt token
+                n = min(ch.end, req.num_prompt_tokens - 1) - ch.start
+                if n > 0:
+                    prompt_rows.extend(range(len(token_ids), len(token_ids) + n))
+                    prompt_spans.append((req, ch.start + 1, n))
             token_ids.extend(req.token_ids[ch.start : ch.end])
             positions.extend(range(ch.start, ch.end))
             slots.extend(self.kv.slot_mapping(req, ch.start, ch.num_new_tokens))
@@ -159,6 +195,7 @@ class ModelRunner:
         return StepInputs(
             torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn,
             torch.tensor(last_rows, device=dev) if last_rows else None,
+            torch.tensor(prompt_rows, device=dev) if prompt_rows else None, tuple(prompt_spans),
         )
 
     def _torch_groups(self, out: SchedulerOutput, tables: list[list[int]]) -> list[AttentionGroup]:

@@ -47,6 +47,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs only: entry i is prompt token i + 1's, filled as prompt chunks compute
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Invariant: 0 <= num_computed_tokens <= num_tokens; K/V of tokens [0, num_computed) are in the cache.
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first scheduling (tokens)

@@ -110,6 +110,13 @@ class Scheduler:
         for ch in out.chunks:
             self.kv.commit(ch.request, ch.start, ch.num_new_tokens)
             ch.request.num_computed_tokens = ch.end
+        by_id = {ch.request.request_id: ch.request for ch in out.chunks}
+        for rid, first, lps in result.prompt_logprobs:
+            req = by_id[rid]
+            have = len(req.prompt_logprobs)  # entry i is prompt token i + 1's; a recompute after
+            assert first - 1 <= have, "prompt chunks compute in order"
+            if first - 1 + len(lps) > have:  # preemption brings ones already kept: keep the first
+                req.prompt_logprobs.extend(lps[have - (first - 1):])
         sampling = [ch.request for ch in out.chunks if ch.samples]
         finished: list[Request] = []
         for req, s in zip(sampling, result.sampled, strict=True):

@@ -52,3 +52,6 @@ class ModelRunnerOutput:
     # One per sampling chunk (ScheduledChunk.samples), in chunk order. Every chunk of the step was
     # computed: its K/V are in the pool, to be committed by Scheduler.update.
     sampled: tuple[SampledToken, ...]
+    # (request id, first prompt position p, logprobs of prompt tokens p, p + 1, ...) for the chunks of
+    # requests that asked for prompt logprobs; p >= 1 (the first prompt token has none)
+    prompt_logprobs: tuple[tuple[str, int, tuple[TokenLogprob, ...]], ...] = ()

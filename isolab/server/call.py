@@ -99,7 +99,7 @@ class Call:
             if o.error is not None or o.finish_reason == "error":
                 c.error = "the engine failed this request" if o.finish_reason == "error" else str(o.error)
             self.metrics.requests_finished.labels(c.finish_reason).inc()
-        return c, c.out.delta(delta, lps)
+        return c, c.out.delta(delta, lps, o.prompt_logprobs)
 
     def observe_done(self) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.arrival)

@@ -42,6 +42,7 @@ class Plan:
     prompts: tuple[tuple[int, ...], ...]  # token ids, one entry per prompt (n choices each)
     max_tokens: int
     logprobs: int | None  # top alternatives per token; None: no logprobs
+    echo: bool = False  # completions: the reply starts with the prompt (its logprobs too, when asked)
 
 
 class ChoiceFormat(Protocol):
@@ -49,8 +50,10 @@ class ChoiceFormat(Protocol):
 
     def opening(self) -> ChunkChoice | None: ...  # streamed before any token
 
-    # one output's text delta and logprobs; None when there is nothing to send
-    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> ChunkChoice | None: ...
+    # one output's text delta and logprobs (and, on its first output, the prompt's when echoed);
+    # None when there is nothing to send
+    def delta(self, text: str, lps: Sequence[TokenLogprob],
+              prompt_lps: Sequence[TokenLogprob] | None = None) -> ChunkChoice | None: ...
 
     def finish(self, reason: str) -> ChunkChoice: ...
 
@@ -66,7 +69,7 @@ class Format(Protocol[BodyT_contra]):
 
     def plan(self, body: BodyT_contra) -> Plan: ...
 
-    def choice(self, index: int, logprobs: bool) -> ChoiceFormat: ...
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> ChoiceFormat: ...
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class CompletionFormat:
             raise ApiError(400, "best_of is not supported beyond best_of == n", param="best_of")
         prompts = self._prompts(body.prompt)
         max_tokens = self.limits.max_tokens(body.max_tokens, self.limits.config.default_completion_max_tokens, None)
-        return Plan(prompts, max_tokens, body.logprobs)
+        return Plan(prompts, max_tokens, body.logprobs, body.echo)
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[tuple[int, ...], ...]:
         if isinstance(prompt, str):
@@ -130,20 +133,38 @@ class CompletionFormat:
             out.append(tuple(ids))
         return tuple(out)
 
-    def choice(self, index: int, logprobs: bool) -> _CompletionChoice:
-        return _CompletionChoice(index, CompletionLogprobs(self.tok) if logprobs else None)
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> _CompletionChoice:
+        echoed = _Echo(self.tok.decode(prompt), prompt[0]) if echo and prompt else None
+        return _CompletionChoice(index, CompletionLogprobs(self.tok) if logprobs else None, echoed)
+
+
+@dataclass
+class _Echo:
+    """echo=true: the prompt goes out before the first token (its logprobs too; the first prompt
+    token has none). Mutable: `sent` flips once."""
+
+    text: str
+    first_token: int
+    sent: bool = False
 
 
 @dataclass(frozen=True)
 class _CompletionChoice:
     index: int
     logprobs: CompletionLogprobs | None
+    echo: _Echo | None = None
 
     def opening(self) -> None:
         return None
 
-    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> CompletionChoice | None:
-        lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
+    def delta(self, text: str, lps: Sequence[TokenLogprob],
+              prompt_lps: Sequence[TokenLogprob] | None = None) -> CompletionChoice | None:
+        entries: list[TokenLogprob | int] = list(lps)
+        if self.echo is not None and not self.echo.sent:
+            self.echo.sent = True
+            text = self.echo.text + text
+            entries = [self.echo.first_token, *(prompt_lps or ()), *lps]
+        lp = self.logprobs.push(entries) if self.logprobs is not None and entries else None
         if not text and lp is None:
             return None
         return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": None}
@@ -153,7 +174,8 @@ class _CompletionChoice:
 
     def final(self, text: str, reason: str | None) -> CompletionChoice:
         lp = self.logprobs.total if self.logprobs is not None else None
-        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": reason}
+        prefix = self.echo.text if self.echo is not None else ""
+        return {"index": self.index, "text": prefix + text, "logprobs": lp, "finish_reason": reason}
 
 
 # -- chat -----------------------------------------------------------------------------------------------
@@ -179,7 +201,7 @@ class ChatFormat:
         max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
         return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
 
-    def choice(self, index: int, logprobs: bool) -> _ChatChoice:
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> _ChatChoice:
         return _ChatChoice(index, ChatLogprobs(self.tok) if logprobs else None)
 
 
@@ -192,7 +214,8 @@ class _ChatChoice:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def delta(self, text: str, lps: Sequence[TokenLogprob]) -> ChatChunkChoice | None:
+    def delta(self, text: str, lps: Sequence[TokenLogprob],
+              prompt_lps: Sequence[TokenLogprob] | None = None) -> ChatChunkChoice | None:
         lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
         if not text and lp is None:
             return None

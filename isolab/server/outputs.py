@@ -27,10 +27,19 @@ class CompletionLogprobs:
         self.offset = 0
         self.total: CompletionLogprobsBody = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
-    def push(self, lps: Sequence[TokenLogprob]) -> CompletionLogprobsBody:
-        """These tokens' entries (a delta), also added to self.total."""
+    def push(self, lps: Sequence[TokenLogprob | int]) -> CompletionLogprobsBody:
+        """These tokens' entries (a delta), also added to self.total. A bare token id is a token
+        with no logprob (an echoed prompt's first token): null, as OpenAI writes it."""
         out: CompletionLogprobsBody = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
+            if isinstance(lp, int):
+                text = self.tok.token_strings([lp])[0]
+                out["tokens"].append(text)
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                out["text_offset"].append(self.offset)
+                self.offset += len(text)
+                continue
             text = self.tok.token_strings([lp.token_id])[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(_finite(lp.logprob))

@@ -110,7 +110,7 @@ class CompletionRequest(BaseRequest):
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: Literal[False] = Field(False, description="not supported: false only")
+    echo: StrictBool = Field(False, description="the reply starts with the prompt (and its logprobs)")
     suffix: None = Field(None, description="not supported")
     best_of: Annotated[StrictInt, Field(ge=1)] | None = Field(None, description="must equal n when given")
 
@@ -181,7 +181,7 @@ class CompletionLogprobsBody(TypedDict):
     """The legacy completions logprobs: four parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 

@@ -15,7 +15,7 @@ REFUSED: dict[str, str] = {
     "guided_grammar": "grammars are not supported: use guided_json, guided_regex or guided_choice",
     "grammar": "GBNF grammars are not supported: use json_schema, guided_regex or guided_choice",
     "chat_template": "a per-request chat template is not supported: start the server with --chat-template FILE",
-    "prompt_logprobs": "prompt logprobs are not supported yet",
+    "prompt_logprobs": "use echo=true with logprobs on completions for prompt logprobs",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "beam search is not supported",
     "typical_p": "typical sampling is not supported",

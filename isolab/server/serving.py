@@ -114,7 +114,7 @@ class Serving:
                 index = p_i * body.n + j
                 rid = f"{response_id}-{index}"
                 choices.append(Choice(index, rid, Detokenizer(self.tok, body.stop_list()),
-                                      fmt.choice(index, plan.logprobs is not None)))
+                                      fmt.choice(index, plan.logprobs is not None, ids, plan.echo)))
                 engine_requests.append(EngineRequest(rid, ids, params[j]))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         call = Call(fmt, response_id, int(time.time()), self.model_name, [len(p) for p in plan.prompts], choices,
@@ -131,6 +131,7 @@ class Serving:
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),
                 min_p=body.min_p, min_tokens=body.min_tokens, structured=structured,
+                prompt_logprobs=plan.logprobs if plan.echo else None,  # echo with logprobs scores the prompt
             )
         except InvalidRequestError as exc:
             raise api_error(exc) from None

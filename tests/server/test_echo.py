@@ -1,0 +1,55 @@
+"""echo on completions (issue 15), with prompt logprobs: what lm-evaluation-harness's loglikelihood
+tasks send. Through the official `openai` client, streamed and not."""
+
+from __future__ import annotations
+
+import pytest
+
+from isolab import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tiny_bundle):
+    return server_factory(tiny_bundle)
+
+
+PROMPT = "the cat sat on the mat and"
+
+
+def test_echo_prepends_the_prompt(srv):
+    c = srv.client()
+    plain = c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=6, temperature=0)
+    echoed = c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    prompt_text = srv.engine.tokenizer.decode(srv.engine.tokenizer.encode(PROMPT))
+    assert echoed.choices[0].text == prompt_text + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens  # usage counts generated tokens only
+
+
+def test_echo_with_logprobs_scores_every_prompt_token(srv, tiny_bundle):
+    c = srv.client()
+    r = c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    ids = srv.engine.tokenizer.encode(PROMPT)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20).generate(
+        ids, SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2))[0]
+    assert lp.token_logprobs[1:len(ids)] == [x.logprob for x in ref.prompt_logprobs[1:]]  # the same bits
+    assert lp.token_logprobs[len(ids):] == [x.logprob for x in ref.logprobs]
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_streamed_echo_adds_up_to_the_same_reply(srv):
+    c = srv.client()
+    whole = c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=1)
+    text, tokens, values = "", [], []
+    for ch in c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
+                                   logprobs=1, stream=True):
+        for choice in ch.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+    assert text == whole.choices[0].text
+    assert tokens == whole.choices[0].logprobs.tokens and values == whole.choices[0].logprobs.token_logprobs
