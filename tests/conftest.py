@@ -47,3 +47,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_bundle(tmp_path_factory):
+    """The tiny model with a 4096-token context: its byte tokenizer makes the probe's prompts long."""
+    from isolab.models.bundle import load_bundle
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny4k.gguf", TinySpec(layers=2, seed=1, context=4096))
+    return load_bundle(str(path), "bf16", "cpu")

@@ -26,17 +26,15 @@ from isolab.server.metrics import CONTENT_TYPE, ServerMetrics
 from isolab.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
 )
 from isolab.server.serving import Serving
 from isolab.server.settings import ServerConfig, model_slug
 from isolab.server.state import ServerState, server_state
 from isolab.server.tenants import Tenant, TenantRegistry
-from isolab.server.tokenize import Tokenization
+from isolab.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest
 
 log = logging.getLogger("isolab.server")
 

@@ -31,6 +31,7 @@ from isolab.server.protocol import (
     FinalChoice,
 )
 from isolab.server.settings import ServerConfig
+from isolab.server.tools import ToolError, ToolOutput, ToolPlan, parse_calls, plan_tools
 
 BodyT_contra = TypeVar("BodyT_contra", bound=BaseRequest, contravariant=True)
 
@@ -43,6 +44,7 @@ class Plan:
     max_tokens: int
     logprobs: int | None  # top alternatives per token; None: no logprobs
     echo: bool = False  # completions: the reply starts with the prompt (its logprobs too, when asked)
+    tools: ToolPlan | None = None  # chat: tools the model may call (server/tools.py)
 
 
 class ChoiceFormat(Protocol):
@@ -69,7 +71,8 @@ class Format(Protocol[BodyT_contra]):
 
     def plan(self, body: BodyT_contra) -> Plan: ...
 
-    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> ChoiceFormat: ...
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False,
+               tools: ToolPlan | None = None) -> ChoiceFormat: ...
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,8 @@ class CompletionFormat:
             out.append(tuple(ids))
         return tuple(out)
 
-    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> _CompletionChoice:
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False,
+               tools: ToolPlan | None = None) -> _CompletionChoice:
         echoed = _Echo(self.tok.decode(prompt), prompt[0]) if echo and prompt else None
         return _CompletionChoice(index, CompletionLogprobs(self.tok) if logprobs else None, echoed)
 
@@ -190,7 +194,16 @@ class ChatFormat:
     def plan(self, body: ChatCompletionRequest) -> Plan:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        try:
+            tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         messages = [m.for_template() for m in body.messages]
+        if tools is not None:  # shown in a system message: SmolLM2's template does not render `tools`
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools.system}
+            else:
+                messages.insert(0, {"role": "system", "content": tools.system})
         try:
             ids = self.tok.apply_chat_template(messages, template=self.limits.config.chat_template,
                                                template_kwargs=body.chat_template_kwargs)
@@ -199,16 +212,19 @@ class ChatFormat:
         self.limits.check_prompt(ids)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
-        return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 
-    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False) -> _ChatChoice:
-        return _ChatChoice(index, ChatLogprobs(self.tok) if logprobs else None)
+    def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False,
+               tools: ToolPlan | None = None) -> _ChatChoice:
+        return _ChatChoice(index, ChatLogprobs(self.tok) if logprobs else None,
+                           ToolOutput(tools) if tools is not None else None)
 
 
 @dataclass(frozen=True)
 class _ChatChoice:
     index: int
     logprobs: ChatLogprobs | None
+    tools: ToolOutput | None = None  # tools may be called: the text is held back and read at the end
 
     def opening(self) -> ChatChunkChoice:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -216,15 +232,30 @@ class _ChatChoice:
 
     def delta(self, text: str, lps: Sequence[TokenLogprob],
               prompt_lps: Sequence[TokenLogprob] | None = None) -> ChatChunkChoice | None:
+        if self.tools is not None:
+            self.tools.parts.append(text)
+            text = ""
         lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
         if not text and lp is None:
             return None
         return {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
 
     def finish(self, reason: str) -> ChatChunkChoice:
-        return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        if self.tools is None:
+            return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        text = "".join(self.tools.parts)
+        calls = parse_calls(text, self.tools.plan)
+        if calls is None:
+            return {"index": self.index, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+        return {"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                "finish_reason": "tool_calls" if reason == "stop" else reason}
 
     def final(self, text: str, reason: str | None) -> ChatChoice:
         lp = self.logprobs.total if self.logprobs is not None else None
-        return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": reason}
+        calls = parse_calls(text, self.tools.plan) if self.tools is not None else None
+        if calls is None:
+            return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": reason}
+        return {"index": self.index, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "logprobs": lp, "finish_reason": "tool_calls" if reason == "stop" else reason}

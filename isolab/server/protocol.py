@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Stri
 
 from isolab.sampling_params import MAX_TOP_LOGPROBS
 from isolab.server.refused import REFUSED, RefusedField
+from isolab.server.tools import ToolCallIn, ToolChoice, ToolSpec, history_text
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -123,13 +124,19 @@ class ChatContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it ('developer' is OpenAI's newer name for 'system')."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as the chat template reads it ('developer' is OpenAI's newer name for 'system';
+        earlier tool calls are written as the model is asked to write them)."""
+        text = self.text()
+        if self.tool_calls:
+            text = (text + "\n" if text else "") + history_text(self.tool_calls)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
     def text(self) -> str:
         if self.content is None:
@@ -145,24 +152,9 @@ class ChatCompletionRequest(BaseRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True  # prompt only
-    add_generation_prompt: StrictBool = True  # messages only
-    chat_template_kwargs: dict[str, Any] | None = None  # messages only
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[TokenId]
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: StrictBool = True
 
 
 # -- replies ----------------------------------------------------------------------------------------
@@ -214,7 +206,8 @@ class CompletionChoice(TypedDict):
 
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: NotRequired[list[dict[str, Any]]]
 
 
 class ChatChoice(TypedDict):
@@ -227,6 +220,7 @@ class ChatChoice(TypedDict):
 class ChatDelta(TypedDict, total=False):
     role: Literal["assistant"]
     content: str
+    tool_calls: list[dict[str, Any]]
 
 
 class ChatChunkChoice(TypedDict):

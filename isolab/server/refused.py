@@ -7,9 +7,6 @@ from __future__ import annotations
 
 # Fields peers honour that this server does not (yet): refused with a 400 that names them.
 REFUSED: dict[str, str] = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "guided_grammar": "grammars are not supported: use guided_json, guided_regex or guided_choice",

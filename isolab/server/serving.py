@@ -101,6 +101,11 @@ class Serving:
         """The call's choices and their engine requests: prompt i, choice j is choice i * n + j."""
         arrival = time.monotonic()
         structured = structured_spec(body)
+        if plan.tools is not None and plan.tools.structured is not None:
+            if structured is not None:
+                raise ApiError(400, f"tool_choice {plan.tools.mode} constrains the output already; drop "
+                               f"{structured.field}", param=structured.field)
+            structured = plan.tools.structured
         if structured is not None:
             try:  # compile here (cached, shared): a bad schema is a 400 before anything is queued
                 self.grammars.compile(structured)
@@ -114,7 +119,7 @@ class Serving:
                 index = p_i * body.n + j
                 rid = f"{response_id}-{index}"
                 choices.append(Choice(index, rid, Detokenizer(self.tok, body.stop_list()),
-                                      fmt.choice(index, plan.logprobs is not None, ids, plan.echo)))
+                                      fmt.choice(index, plan.logprobs is not None, ids, plan.echo, plan.tools)))
                 engine_requests.append(EngineRequest(rid, ids, params[j]))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         call = Call(fmt, response_id, int(time.time()), self.model_name, [len(p) for p in plan.prompts], choices,

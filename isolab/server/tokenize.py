@@ -13,10 +13,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, StrictBool
+
 from isolab.errors import InvalidRequestError
 from isolab.models.tokenizer import Tokenizer
 from isolab.server.errors import ApiError, api_error
-from isolab.server.protocol import DetokenizeRequest, TokenizeRequest
+from isolab.server.protocol import ChatMessage, TokenId
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True  # prompt only
+    add_generation_prompt: StrictBool = True  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class Tokenization:

@@ -7,8 +7,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
-
 from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine.llm_engine import LLMEngine
 from isolab.server import ServerConfig, TenantRegistry, create_app
@@ -34,11 +32,3 @@ def isolab_server(bundle, *, faults: tuple[str, ...] = (), kv_cache_memory: int 
         engine.close()
 
 
-@pytest.fixture(scope="session")
-def long_tiny_bundle(tmp_path_factory):
-    """The tiny model with a 4096-token context: its byte tokenizer makes the probe's prompts long."""
-    from isolab.models.bundle import load_bundle
-    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
-
-    path = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny4k.gguf", TinySpec(layers=2, seed=1, context=4096))
-    return load_bundle(str(path), "bf16", "cpu")

@@ -75,7 +75,7 @@ def test_min_tokens_holds_off_the_stop(srv, tiny_bundle, stream):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("guided_grammar", "root ::= 'a'"), ("grammar", "root ::= 'a'"), ("chat_template", "{{ x }}"),
     ("prompt_logprobs", 1),
     ("use_beam_search", True), ("typical_p", 0.5),
@@ -97,9 +97,8 @@ def test_chat_template_kwargs_on_completions_is_refused(srv):
 def test_the_official_client_sees_a_400_for_a_refused_field(srv):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=2, tools=[{"type": "function",
-                                                                   "function": {"name": "f", "parameters": {}}}])
-    assert e.value.body["param"] == "tools"
+                                             max_tokens=2, extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"
 
 
 @pytest.mark.parametrize("stream", [False, True])

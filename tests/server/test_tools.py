@@ -1,0 +1,115 @@
+"""Tool calling through the official `openai` client (issue 15): with tool_choice required or a
+named tool the arguments are grammar-constrained, so even the tiny random model's calls parse and
+match the function's schema; tool_calls come back in the message and in streamed deltas; earlier
+calls and `tool` results go back into the conversation."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from isolab.server.tools import ToolPlan, parse_calls
+
+H = {"Authorization": "Bearer sk-alice"}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, long_tiny_bundle):
+    return server_factory(long_tiny_bundle)  # 4k context: the byte tokenizer makes the tools' prompt long
+
+
+def _check_calls(calls, allowed=("get_weather", "get_time")):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_named_tool_calls_always_parse(srv, seed):
+    r = srv.client().chat.completions.create(
+        model=srv.model, messages=MSG, tools=TOOLS, max_tokens=200, seed=seed, temperature=1.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    m = r.choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content is None
+    _check_calls(m.message.tool_calls, allowed=("get_weather",))
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_one_of_the_tools(srv, parallel):
+    r = srv.client().chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=parallel, max_tokens=300, seed=3)
+    m = r.choices[0]
+    assert m.finish_reason == "tool_calls"
+    _check_calls(m.message.tool_calls)
+    if not parallel:
+        assert len(m.message.tool_calls) == 1
+
+
+def test_streamed_tool_calls_equal_the_reply(srv):
+    kw = dict(model=srv.model, messages=MSG, tools=TOOLS, max_tokens=200, seed=5, temperature=0.8,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = srv.client().chat.completions.create(**kw).choices[0].message.tool_calls
+    streamed, reason = [], None
+    for ch in srv.client().chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            streamed += c.delta.tool_calls or []
+            reason = c.finish_reason or reason
+    assert reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+           [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_none_and_auto_answer_in_text_when_the_model_does_not_call(srv):
+    for choice in ("none", "auto"):
+        r = srv.client().chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice=choice,
+                                                 max_tokens=8, seed=1)
+        assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+
+
+def test_a_conversation_with_earlier_calls_and_results(srv):
+    first = srv.client().chat.completions.create(
+        model=srv.model, messages=MSG, tools=TOOLS, max_tokens=200, seed=2,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0].message
+    call = first.tool_calls[0]
+    history = MSG + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'}]
+    r = srv.client().chat.completions.create(model=srv.model, messages=history, tools=TOOLS, max_tokens=8, seed=2)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    n = httpx.post(srv.url + "/tokenize", headers=H, json={"messages": history}).json()["count"]
+    assert n > 0
+
+
+def test_auto_reads_a_call_the_model_writes():
+    plan = ToolPlan("auto", ("get_time",), "", None)
+    calls = parse_calls('{"name": "get_time", "arguments": {"zone": "UTC"}}', plan)
+    assert calls and calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    tagged = parse_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', plan)
+    assert tagged and tagged[0]["function"]["name"] == "get_time"
+    assert parse_calls("It is noon.", plan) is None
+    assert parse_calls('{"name": "rm_rf", "arguments": {}}', plan) is None  # not a tool it was given
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+])
+def test_bad_tool_requests_are_400(srv, body, param):
+    r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
