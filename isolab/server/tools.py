@@ -9,8 +9,9 @@ makes `required` and named calls parse, and reading calls back out of the model'
                  named     constrained to a call of that one tool
 
 SmolLM2's chat template does not know tools, so they are shown in a system message and earlier
-calls and results are written into the conversation as text (a template that renders `tools`
-gets them as well). Does not know HTTP or the engine; it returns a GrammarSpec for the sampler.
+calls and results are written into the conversation as text, for every template alike (`tools` is
+not passed to the template). Does not know HTTP or the engine; it returns a GrammarSpec for the
+sampler.
 """
 
 from __future__ import annotations
