@@ -438,8 +438,10 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
 
 extern "C" {
 // the bf16 path: "amx" where the tile unit runs (K % 32 == 0; other K take the next path),
-// "avx512bf16" (dot-product chain), else the ISA's fma chain; fp32 always takes the fma chain
+// "avx512bf16" (dot-product chain, CPUs without AMX), else the ISA's fma chain; fp32 always takes the fma chain
 const char* isolab_gemm_isa() { return amx_ready() ? "amx" : ISOLAB_GEMM_DP ? "avx512bf16" : ISA; }
+// (an AMX CPU runs "amx" for K % 32 == 0 and the fma chain for other K; the dot-product chain only
+// where there is no AMX, so no build on an AMX CPU mixes three chains)
 int isolab_gemm_panel() { return PANEL; }
 int isolab_gemm_tile_n() { return TILE_N; }
 // A: (M, K) rows with stride lda (elements); W: packed (see above), its N padded to a multiple of
@@ -447,7 +449,7 @@ int isolab_gemm_tile_n() { return TILE_N; }
 void isolab_gemm_bf16(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
     if (use_amx(K))
         gemm_amx(A, lda, W, out, M, N, K);
-    else if (ISOLAB_GEMM_DP)
+    else if (ISOLAB_GEMM_DP && !amx_ready())  // on AMX CPUs other K keep the fma chain, as before
         gemm_dp(A, lda, W, out, M, N, K);
     else
         gemm<uint16_t>(A, lda, W, out, M, N, K);
