@@ -166,11 +166,11 @@ __attribute__((noinline)) static void tile(const float* a, long lda, const uint1
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define ISOLAB_GEMM_DP 1
-// One tile on AVX512-BF16 dot products: rows m0..m0+R-1 of bf16 A (read in place), columns
+// One tile on AVX512-BF16 dot products (tile<R> on bf16 A): rows m0..m0+R-1 of bf16 A (read in place), columns
 // n0..n0+TILE_N-1 (NV whole panels), all of K; each accumulator lane is one output's chain.
 template <int R>
-__attribute__((noinline)) static void tile_dp(const uint16_t* a, long lda, const uint16_t* w, int K, int n0,
-                                              float* acc_out) {
+__attribute__((noinline)) static void tile(const uint16_t* a, long lda, const uint16_t* w, int K, int n0,
+                                           float* acc_out) {
     __m512 acc[R][NV];
     #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
@@ -198,22 +198,13 @@ __attribute__((noinline)) static void tile_dp(const uint16_t* a, long lda, const
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc_out + r * TILE_N + j * VW, acc[r][j]);
 }
 
-template <int R>
-static inline void run_tile_dp(int rows, const uint16_t* a, long lda, const uint16_t* w, int K, int n0, float* acc) {
-    if constexpr (R >= 1) {
-        if (rows == R)
-            tile_dp<R>(a, lda, w, K, n0, acc);
-        else
-            run_tile_dp<R - 1>(rows, a, lda, w, K, n0, acc);
-    }
-}
 #else
 #define ISOLAB_GEMM_DP 0
 #endif
 
-// tile<rows> for 1 <= rows <= MR
-template <int R, typename W>
-static inline void run_tile(int rows, const float* a, long lda, const W* w, int K, int n0, float* acc) {
+// tile<rows> for 1 <= rows <= MR; A is fp32 (the fma chain) or, on AVX512-BF16, bf16 (the dot-product chain)
+template <int R, typename A, typename W>
+static inline void run_tile(int rows, const A* a, long lda, const W* w, int K, int n0, float* acc) {
     if constexpr (R >= 1) {
         if (rows == R)
             tile<R>(a, lda, w, K, n0, acc);
@@ -361,26 +352,34 @@ static bool use_amx(int) { return false; }
 static void gemm_amx(const uint16_t*, long, const uint16_t*, uint16_t*, int, int, int) {}
 #endif
 
-#if ISOLAB_GEMM_DP
-// bf16 on AVX512-BF16: the same work items as gemm() below, A read in place, no widened weights.
-static void gemm_dp(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
+// The work items of a GEMM: (block of MC rows, tile of TILE_N columns); each output element belongs
+// to exactly one item, computed whole by the thread that takes it. Called inside a parallel region:
+// the items are split over its threads. item(m_begin, m_end, n0, cols).
+template <typename Item>
+static inline void for_each_item(int M, int N, Item&& item) {
     const int tiles_n = (N + TILE_N - 1) / TILE_N;
     const int blocks_m = (M + MC - 1) / MC;
+#pragma omp for schedule(static) collapse(2)
+    for (int b = 0; b < blocks_m; b++)
+        for (int t = 0; t < tiles_n; t++) {
+            const int n0 = t * TILE_N;
+            item(b * MC, (b + 1) * MC < M ? (b + 1) * MC : M, n0, N - n0 < TILE_N ? N - n0 : TILE_N);
+        }
+}
+
+#if ISOLAB_GEMM_DP
+// bf16 on AVX512-BF16: gemm()'s work items, A read in place, no widened weights.
+static void gemm_dp(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K) {
 #pragma omp parallel if ((long)M * N * K > 100000)
     {
         float acc[MR * TILE_N];
-#pragma omp for schedule(static) collapse(2)
-        for (int b = 0; b < blocks_m; b++)
-            for (int t = 0; t < tiles_n; t++) {
-                const int n0 = t * TILE_N;
-                const int cols = N - n0 < TILE_N ? N - n0 : TILE_N;
-                const int m_end = (b + 1) * MC < M ? (b + 1) * MC : M;
-                for (int m0 = b * MC; m0 < m_end; m0 += MR) {
-                    const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                    run_tile_dp<MR>(rows, A + (long)m0 * lda, lda, W, K, n0, acc);
-                    store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
-                }
+        for_each_item(M, N, [&](int m_begin, int m_end, int n0, int cols) {
+            for (int m0 = m_begin; m0 < m_end; m0 += MR) {
+                const int rows = m_end - m0 < MR ? m_end - m0 : MR;
+                run_tile<MR>(rows, A + (long)m0 * lda, lda, W, K, n0, acc);
+                store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
             }
+        });
     }
 }
 #else
@@ -390,8 +389,6 @@ static void gemm_dp(const uint16_t*, long, const uint16_t*, uint16_t*, int, int,
 // A (M, K) with row stride lda, as T (bf16 bits or fp32); W packed as above; out (M, N) contiguous.
 template <typename T>
 static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) {
-    const int tiles_n = (N + TILE_N - 1) / TILE_N;
-    const int blocks_m = (M + MC - 1) / MC;
     // fp32 copy of A (bf16 -> fp32 is exact); fp32 A is read in place
     float* af = nullptr;
     long ldf = lda;
@@ -410,25 +407,18 @@ static void gemm(const T* A, long lda, const T* W, T* out, int M, int N, int K) 
         float acc[MR * TILE_N];
         // bf16 blocks of many rows: the tile's weights widened once per block (see widen_tile)
         float* wide = sizeof(T) == 2 ? (float*)std::aligned_alloc(64, sizeof(float) * ((size_t)K * TILE_N + 64)) : nullptr;
-        // work items: (block of MC rows, tile of TILE_N columns); each output element belongs to
-        // exactly one item, computed whole by the thread that takes it
-#pragma omp for schedule(static) collapse(2)
-        for (int b = 0; b < blocks_m; b++)
-            for (int t = 0; t < tiles_n; t++) {
-                const int n0 = t * TILE_N;
-                const int cols = N - n0 < TILE_N ? N - n0 : TILE_N;
-                const int m_end = (b + 1) * MC < M ? (b + 1) * MC : M;
-                const bool widen = sizeof(T) == 2 && m_end - b * MC >= 2 * MR;  // fewer rows: memory-bound, read bf16 directly
-                if (widen) widen_tile((const uint16_t*)(const void*)W, K, n0, wide);
-                for (int m0 = b * MC; m0 < m_end; m0 += MR) {
-                    const int rows = m_end - m0 < MR ? m_end - m0 : MR;
-                    if (widen)
-                        run_tile<MR>(rows, a + (long)m0 * ldf, ldf, (const float*)wide, K, 0, acc);
-                    else
-                        run_tile<MR>(rows, a + (long)m0 * ldf, ldf, W, K, n0, acc);
-                    store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
-                }
+        for_each_item(M, N, [&](int m_begin, int m_end, int n0, int cols) {
+            const bool widen = sizeof(T) == 2 && m_end - m_begin >= 2 * MR;  // fewer rows: memory-bound, read bf16 directly
+            if (widen) widen_tile((const uint16_t*)(const void*)W, K, n0, wide);
+            for (int m0 = m_begin; m0 < m_end; m0 += MR) {
+                const int rows = m_end - m0 < MR ? m_end - m0 : MR;
+                if (widen)
+                    run_tile<MR>(rows, a + (long)m0 * ldf, ldf, (const float*)wide, K, 0, acc);
+                else
+                    run_tile<MR>(rows, a + (long)m0 * ldf, ldf, W, K, n0, acc);
+                store_out(out + (long)m0 * N, N, acc, rows, n0, cols);
             }
+        });
         std::free(wide);
     }
     std::free(af);
