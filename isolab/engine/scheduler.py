@@ -110,7 +110,7 @@ class Scheduler:
         for ch in out.chunks:
             self.kv.commit(ch.request, ch.start, ch.num_new_tokens)
             ch.request.num_computed_tokens = ch.end
-        by_id = {ch.request.request_id: ch.request for ch in out.chunks}
+        by_id = {ch.request.request_id: ch.request for ch in out.chunks} if result.prompt_logprobs else {}
         for rid, first, lps in result.prompt_logprobs:
             req = by_id[rid]
             have = len(req.prompt_logprobs)  # entry i is prompt token i + 1's; a recompute after

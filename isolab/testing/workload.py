@@ -150,3 +150,13 @@ def torch_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def solo_mismatches(bundle: ModelBundle, arrivals: list[Arrival], *, kv_blocks: int, max_seqs: int = 8) -> list[str]:
+    """The requests whose tokens or logprobs differ between one batched run and each request alone
+    (prefix cache off for the solo runs), on one torch thread: [] is the isolation guarantee."""
+    with torch_threads(1):
+        batched = drive(make_engine(bundle, kv_blocks, max_seqs=max_seqs), arrivals).finished
+        alone = run_alone(make_engine(bundle, kv_blocks, prefix=False), arrivals)
+    return [a.rid for a in arrivals if (batched[a.rid].token_ids, batched[a.rid].logprobs)
+            != (alone[a.rid].token_ids, alone[a.rid].logprobs)]
