@@ -32,7 +32,7 @@ PHASES = ("schedule", "prepare", "gemm", "attention", "row_ops", "sample", "upda
 
 
 def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
-    engine = LLMEngine(build_engine_config(dtype=dtype, max_num_seqs=max(n, 1), kv_cache_memory=4096 * MiB,
+    engine = LLMEngine(build_engine_config(dtype=dtype, weights=bundle.weights, max_num_seqs=max(n, 1), kv_cache_memory=4096 * MiB,
                                            max_num_batched_tokens=2048), bundle)
     wl = make_workload(WorkloadSpec(num_requests=n, prompt_len=prompt_words, output_len=(128, 128), seed=n))
     detoks = {}
@@ -70,11 +70,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--weights", default="auto", choices=("auto", "native", "dense"))
     ap.add_argument("--prompt-len", default="64:256", help="prompt words LO:HI")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
-    bundle = load_bundle(None, args.dtype)
+    bundle = load_bundle(None, args.dtype, weights=args.weights)
     rows = []
     for n in (int(x) for x in args.concurrency.split(",")):
         r = profile_at(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.steps)
@@ -85,8 +86,8 @@ def main() -> int:
         print(f"N={n:4d}  step {ms['step']:7.1f} ms  {r['decode_tok_per_s']:7.1f} tok/s  GEMM share "
               f"{r['gemm_share']:.0%}  GEMM-bound {r['gemm_bound_tok_per_s']:7.0f} tok/s\n"
               f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
-    out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "steps": args.steps, "rows": rows}, indent=2))
+    out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")
+    out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "steps": args.steps, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -11,6 +11,7 @@ from isolab.errors import InvalidRequestError
 from isolab.faults import Faults
 
 DTYPES = ("bf16", "fp32")
+WEIGHTS = ("auto", "native", "dense")  # models/llama.py: native keeps the GGUF blocks; auto: native where it runs
 GEMMS = ("isolab", "onednn", "fixed-tile", "torch")  # models/linear.py: GEMM_PATHS
 MiB = 1 << 20
 # Defaults the CLI, LLM and the server share (build_engine_config); the reasons are beside the fields.
@@ -53,8 +54,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # path to a GGUF; None = the default SmolLM2-135M-Instruct Q4_1
-    dtype: str = "bf16"
+    dtype: str = "bf16"  # activations and K/V
     device: str | None = None  # None: cuda when available, else cpu
+    # weights: native (multiply on the GGUF's quantized blocks), dense (dequantized to dtype), or
+    # auto: native where isolab's kernels run (a CPU with a C++ compiler), else dense
+    weights: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's context length
@@ -68,6 +72,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
+        if self.weights not in WEIGHTS:
+            raise InvalidRequestError(f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}", field="weights")
         if self.gemm is not None and self.gemm not in GEMMS:
             raise InvalidRequestError(f"gemm must be one of {', '.join(GEMMS)}, not {self.gemm!r}", field="gemm")
         object.__setattr__(self, "faults", Faults.from_names(self.inject_faults))  # validates the names
@@ -79,6 +85,7 @@ def build_engine_config(
     dtype: str = "bf16",
     device: str | None = None,
     gemm: str | None = None,
+    weights: str = "auto",
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
     block_size: int = 16,
     enable_prefix_caching: bool = True,
@@ -91,7 +98,7 @@ def build_engine_config(
 ) -> EngineConfig:
     """The one way the CLI, `LLM` and the server build an EngineConfig from flat options."""
     return EngineConfig(
-        model=model, dtype=dtype, device=device, gemm=gemm,
+        model=model, dtype=dtype, device=device, gemm=gemm, weights=weights,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         max_model_len=max_model_len, audit=audit, inject_faults=frozenset(inject_faults), trace_path=trace_path,

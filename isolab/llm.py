@@ -42,6 +42,7 @@ class LLM:
         *,
         device: str | None = None,
         gemm: str | None = None,
+        weights: str = "auto",
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
@@ -54,7 +55,7 @@ class LLM:
         bundle: ModelBundle | None = None,
     ) -> None:
         self.config = build_engine_config(
-            model=model, dtype=dtype, device=device, gemm=gemm, kv_cache_memory=kv_cache_memory,
+            model=model, dtype=dtype, device=device, gemm=gemm, weights=weights, kv_cache_memory=kv_cache_memory,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
             inject_faults=tuple(inject_faults), trace_path=trace_path,

@@ -36,7 +36,7 @@ def real_bundle():
 def real_bundle_fp32():
     from isolab.models.bundle import load_bundle
 
-    return load_bundle(None, "fp32")
+    return load_bundle(None, "fp32", weights="dense")  # the bit-exact reference the golden tests compare
 
 
 REAL_MODEL_FIXTURES = {"real_bundle", "real_bundle_fp32"}

@@ -29,7 +29,7 @@ from isolab.engine import model_runner
 from isolab.engine.llm_engine import LLMEngine
 from isolab.engine.model_runner import ModelRunner, PagedAttention
 from isolab.engine.scheduler import Scheduler
-from isolab.models.linear import Weight
+from isolab.models.linear import QuantWeight, Weight
 
 ROW_OPS = ("rms_norm", "add_rms_norm_", "silu_mul", "rope_")
 TOP_PHASES = ("schedule", "prepare", "attention", "row_ops", "sample", "update")
@@ -70,7 +70,8 @@ class StepProfiler:
         self._wrap(ModelRunner, "prepare", "prepare")
         self._wrap(PagedAttention, "attend", "attention")
         self._wrap(model_runner, "sample", "sample")
-        self._wrap(Weight, "__call__", lambda w, *_: "gemm." + self._weight_names.get(id(w), "other"))
+        for cls in (Weight, QuantWeight):  # dense and quantized weights (a StackedWeight calls its parts)
+            self._wrap(cls, "__call__", lambda w, *_: "gemm." + self._weight_names.get(id(w), "other"))
         for name in ROW_OPS:
             if hasattr(kernels, name):
                 self._wrap(kernels, name, "row_ops")

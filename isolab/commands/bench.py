@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(**llm_kwargs(args))
         result["engine"] = run_engine_bench(llm.engine, wl, args.concurrency)
         result["engine"]["dtype"] = args.dtype
-        rows = [(f"isolab ({args.dtype})", result["engine"])]
+        result["engine"]["weights"] = llm.engine.bundle.weights
+        rows = [(f"isolab ({args.dtype}, {llm.engine.bundle.weights} weights)", result["engine"])]
         if args.compare == "hf":
             from isolab.bench.engine_bench import run_hf_bench
 

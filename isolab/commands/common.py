@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, MiB
+from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, WEIGHTS, MiB
 from isolab.faults import FAULTS
 
 
@@ -23,7 +23,10 @@ def parse_memory(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activations and K/V (bf16)")
+    g.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="native: multiply on the GGUF's quantized blocks (isolab/kernels/qgemm.cpp); dense: "
+                        "dequantize to --dtype (the bit-exact reference); auto: native where isolab's kernels run")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--gemm", choices=GEMMS, default=None,
                    help="the GEMM path (default: the first that passes the start-up invariance check: isolab's own "
@@ -47,6 +50,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         device=args.device,
         gemm=args.gemm,
+        weights=args.weights,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_cache,

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(seed=1)))
     else:
         model = args.model
-    bundle = load_bundle(model, args.dtype, args.device)
+    bundle = load_bundle(model, args.dtype, args.device, weights=args.weights)
     console = Console(stderr=False)
     numerics = bundle.model.numerics
     console.print(f"numerics: {numerics.summary()}")

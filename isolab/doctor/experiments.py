@@ -50,7 +50,8 @@ class EngineTarget:
 
         self.kwargs = dict(llm_kwargs)
         self.trace_path = self.kwargs.pop("trace_path", None)  # traces the first together run at max load
-        self.bundle = bundle or load_bundle(self.kwargs.get("model"), self.kwargs.get("dtype", "bf16"), self.kwargs.get("device"))
+        self.bundle = bundle or load_bundle(self.kwargs.get("model"), self.kwargs.get("dtype", "bf16"), self.kwargs.get("device"),
+                                                 weights=self.kwargs.get("weights", "auto"))
         self.tokenizer = self.bundle.tokenizer  # type: ignore[attr-defined]
         faults = ",".join(self.kwargs.get("inject_faults", ())) or "none"
         self.name = f"isolab engine ({self.bundle.name}, faults: {faults}, audit: {self.kwargs.get('audit', False)})"  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ class ExtraKeys:
     """Everything besides the tokens that shapes a block's K/V values."""
 
     weights_fingerprint: str  # SHA-256 of the model file
-    dtype: str  # "bf16" | "fp32": the same weights give other K/V bits in another dtype
+    dtype: str  # "bf16/native" ... (ModelBundle.numerics_key): the same file gives other K/V bits in another dtype or weight format
     scope: str | None  # the request's cache scope (tenant); None = the default scope
 
     def encode(self, *, with_scope: bool = True) -> bytes:

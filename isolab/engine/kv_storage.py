@@ -10,7 +10,9 @@ Sized from a memory budget; knows nothing of owners. Implements BlockStorage for
 from __future__ import annotations
 
 import hashlib
+import math
 
+import numpy as np
 import torch
 
 from isolab.models.gguf_loader import LlamaHParams
@@ -32,10 +34,8 @@ class KVStorage:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # per layer: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
-        self.layers = [
-            torch.zeros(2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim, dtype=dtype, device=device)
-            for _ in range(hp.num_layers)
-        ]
+        shape = (2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim)
+        self.layers = [_zeros(shape, dtype, device) for _ in range(hp.num_layers)]
 
     def clear(self, block_id: int) -> None:
         for kv in self.layers:
@@ -53,3 +53,13 @@ class KVStorage:
 
     def has_nan(self, block_id: int) -> bool:
         return any(bool(torch.isnan(kv[:, :, block_id]).any()) for kv in self.layers)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost no memory until written, on the CPU: calloc'd pages (numpy's zeros) are
+    mapped by the OS on first touch, where torch.zeros writes every byte at once; so an idle
+    server's RSS does not grow with kv_cache_memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

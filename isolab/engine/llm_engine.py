@@ -57,8 +57,9 @@ class LLMEngine:
         # FAULT batch-variant-gemm: a GEMM whose reduction order changes with M, kept whatever the check says.
         gemm = "split-k" if faults.batch_variant_gemm else config.gemm
         if bundle is not None and gemm is not None and bundle.model.numerics.gemm_path != gemm:
-            bundle = load_bundle(bundle.path, bundle.dtype, str(bundle.model.device), gemm)  # type: ignore[arg-type]
-        self.bundle = bundle or load_bundle(config.model, config.dtype, config.device, gemm)  # type: ignore[arg-type]
+            bundle = load_bundle(bundle.path, bundle.dtype, str(bundle.model.device), gemm, bundle.weights)  # type: ignore[arg-type]
+        self.bundle = bundle or load_bundle(config.model, config.dtype, config.device, gemm,  # type: ignore[arg-type]
+                                            config.weights)
         hp = self.bundle.hparams
         self.tokenizer = self.bundle.tokenizer
         self.model = self.bundle.model
@@ -84,7 +85,7 @@ class LLMEngine:
             self.pool,
             cc.block_size,
             weights_fingerprint=self.bundle.fingerprint,
-            dtype=config.dtype,
+            dtype=self.bundle.numerics_key,
             enable_prefix_caching=cc.enable_prefix_caching,
             faults=faults,
         )

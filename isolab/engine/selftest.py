@@ -77,7 +77,7 @@ def _coarse(b: ModelBundle, rng: random.Random) -> list[Arrival]:
 
 def _weak(b: ModelBundle, rng: random.Random) -> list[Arrival]:
     # Y's first block differs from X's but its 8-bit key collides (found by search: 1 in 256).
-    extra = ExtraKeys(b.fingerprint, b.dtype, None)
+    extra = ExtraKeys(b.fingerprint, b.numerics_key, None)
     x = _tokens(rng, b, 24)
     target = weak(block_key(None, x[:BS], extra))
     while True:

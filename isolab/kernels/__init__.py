@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
@@ -123,6 +123,12 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"isolab_{name}_{suffix}")
             fn.restype = None
             fn.argtypes = args
+    lib.isolab_qgemm.restype = None
+    lib.isolab_qgemm.argtypes = [ptr, i32, i64, ptr, i32, i32, ptr, i32, i32, i32, i32]
+    lib.isolab_quantize_rows.restype = None
+    lib.isolab_quantize_rows.argtypes = [ptr, i32, i64, i32, i32, ptr, ptr, ptr]
+    lib.isolab_qgemm_isa.restype = ctypes.c_char_p
+    lib.isolab_qgemm_isa.argtypes = []
     lib.isolab_gemm_isa.restype = ctypes.c_char_p
     lib.isolab_gemm_isa.argtypes = []
     lib.isolab_attention_fast_paths.restype = None
@@ -165,10 +171,16 @@ def gemm_isa() -> str:
     return lib.isolab_gemm_isa().decode()
 
 
-def _fn(name: str, dtype: torch.dtype):  # the bf16 or fp32 entry point
-    lib = _library()
-    assert lib is not None
-    return getattr(lib, f"isolab_{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+_FNS: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _fn(name: str, dtype: torch.dtype):  # the bf16 or fp32 entry point (looked up once: calls are hot)
+    fn = _FNS.get((name, dtype))
+    if fn is None:
+        lib = _library()
+        assert lib is not None
+        fn = _FNS[(name, dtype)] = getattr(lib, f"isolab_{name}_{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
+    return fn
 
 
 class BuildError(RuntimeError):
@@ -298,3 +310,54 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if m:
         _fn("gemm", x.dtype)(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), m, n, k)
     return out
+
+
+def native_ready() -> bool:
+    """Whether the native kernels are built and loaded here (CPU work only)."""
+    return _library() is not None
+
+
+def qgemm_isa() -> str:
+    """Which integer path the quantized GEMM runs: avx512vnni, avx2 or generic (qgemm.cpp); the
+    bits are the same on each."""
+    lib = _library()
+    return "torch" if lib is None else lib.isolab_qgemm_isa().decode()
+
+
+def qgemm(x: torch.Tensor, packed: torch.Tensor, fmt: int, fp16: bool, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (M, K) bf16/fp32 @ W.T -> (M, n) in out_dtype, W packed by kernels.quant.pack (qgemm.cpp)."""
+    assert packed.dtype == torch.uint8 and packed.is_contiguous()
+    return qgemm_bound(packed, fmt, fp16, n, out_dtype)(x)
+
+
+def qgemm_bound(packed: torch.Tensor, fmt: int, fp16: bool, n: int, out_dtype: torch.dtype | None):
+    """qgemm with the weight's arguments bound once (a decode step makes ~120 of these calls: the
+    checks are done here, not per call). out_dtype None: the input's."""
+    lib = _library()
+    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
+    call, wp, k = lib.isolab_qgemm, packed.data_ptr(), packed.shape[1] * 32
+    bf16 = torch.bfloat16
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, n)
+        if x.stride(1) != 1 or x.shape[1] != k or x.dtype not in (bf16, torch.float32):
+            raise ValueError(f"qgemm wants (M, {k}) bf16/fp32 rows with unit stride, not {tuple(x.shape)} {x.dtype}")
+        m = x.shape[0]
+        od = out_dtype or x.dtype
+        out = torch.empty(m, n, dtype=od)
+        if m:
+            call(x.data_ptr(), x.dtype == bf16, x.stride(0), wp, fmt, fp16, out.data_ptr(), od == bf16, m, n, k)
+        return out
+
+    return run
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qgemm.cpp's quantized activations: (M, K) -> q int8 (M, K), da (M, K/32), xs (M, K/32)."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and k % 32 == 0
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32)
+    xs = torch.empty(m, k // 32)
+    _library().isolab_quantize_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, k, q.data_ptr(),
+                                    d.data_ptr(), xs.data_ptr())
+    return q, d, xs

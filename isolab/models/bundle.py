@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from isolab import kernels
 from isolab.models.gguf_loader import LlamaHParams, load_gguf
 from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
@@ -28,6 +29,12 @@ class ModelBundle:
     tokenizer: Tokenizer
     fingerprint: str  # SHA-256 of the file: part of every prefix-cache key
     dtype: str
+    weights: str  # "native" or "dense", resolved (models/llama.py)
+
+    @property
+    def numerics_key(self) -> str:
+        """What besides the file shapes the K/V bits: the dtype and the weight format (prefix-cache keys)."""
+        return f"{self.dtype}/{self.weights}"
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -36,17 +43,27 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def resolve_weights(weights: str, device: torch.device) -> str:
+    """auto -> native where isolab's kernels run on this device (the fastest invariant choice there:
+    bench/single_stream.py), else dense (a GPU multiplies dense weights faster than the reference)."""
+    if weights != "auto":
+        return weights
+    return "native" if device.type == "cpu" and kernels.native_ready() else "dense"
+
+
 @functools.lru_cache(maxsize=4)
-def _load(path: str, dtype: str, device: str, gemm: GemmPath | None) -> ModelBundle:
+def _load(path: str, dtype: str, device: str, gemm: GemmPath | None, weights: str) -> ModelBundle:
     loaded = load_gguf(path)
-    model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm)
+    model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm, weights=weights)
     tokenizer = Tokenizer(Path(path), loaded.fingerprint)
     name = str(loaded.metadata.get("general.name") or Path(path).stem)
-    return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype)
+    return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype, weights)
 
 
 def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | None = None,
-                gemm: GemmPath | None = None) -> ModelBundle:
-    """gemm: None picks the first GEMM path that passes the invariance check (models/invariance.py)."""
+                gemm: GemmPath | None = None, weights: str = "auto") -> ModelBundle:
+    """gemm: None picks the first dense GEMM path that passes the invariance check
+    (models/invariance.py). weights: native, dense or auto (resolve_weights)."""
     path = resolve_model_path(model).resolve() if model is not None else resolve_model_path(None)
-    return _load(str(path), dtype, str(pick_device(device)), gemm)
+    dev = pick_device(device)
+    return _load(str(path), dtype, str(dev), gemm, resolve_weights(weights, dev))

@@ -1,4 +1,5 @@
-"""Owns reading a Llama-family GGUF: validation, hyper-parameters, dequantized weights, fingerprint.
+"""Owns reading a Llama-family GGUF: validation, hyper-parameters, the raw (mmapped) tensors and
+their dequantized values, fingerprint.
 
 Does not know about tokenizers (models/tokenizer.py) or the forward pass (models/llama.py).
 Every failure a user can cause becomes ModelLoadError / UnsupportedModelError with one sentence.
@@ -7,6 +8,7 @@ Every failure a user can cause becomes ModelLoadError / UnsupportedModelError wi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from isolab.errors import ModelLoadError, UnsupportedModelError
 # Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout.
 SUPPORTED_ARCHITECTURES = ("llama",)
 
-# Tensor types we read (dequantized to fp32 with the gguf package, then cast to the compute dtype).
+# Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the
+# compute dtype; native weights (kernels/quant.py: NATIVE_TYPES) are packed from the raw blocks.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 GGUF_MAGIC = b"GGUF"
@@ -46,11 +49,47 @@ class LlamaHParams:
 
 
 @dataclass(frozen=True)
+class RawTensor:
+    """One tensor's bytes as the file stores them (a view of the mmapped file; q/k rows already in
+    HF's order): what the native quantized kernels pack from (kernels/quant.py)."""
+
+    qtype: str  # GGML type name: Q4_1, Q8_0, F32, ...
+    shape: tuple[int, ...]  # PyTorch layout: (out_features, in_features) for matrices
+    data: np.ndarray  # uint8 (rows, bytes a row) for quantized types; the values otherwise
+
+
+class DequantizedTensors(Mapping[str, np.ndarray]):
+    """name -> fp32 array in PyTorch layout, dequantized when read (not kept): a dense model reads
+    each tensor once, a native one only the few it does not quantize."""
+
+    def __init__(self, raw: dict[str, RawTensor]) -> None:
+        self._raw = raw
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self._raw[name]
+        try:
+            arr = dequantize(t.data, GGMLQuantizationType[t.qtype]).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise ModelLoadError(f"tensor {name!r} could not be read ({exc})") from exc
+        return arr.reshape(t.shape)
+
+    def __iter__(self):
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+@dataclass(frozen=True)
 class LoadedGGUF:
     path: Path
     hparams: LlamaHParams
-    # name -> fp32 array in PyTorch layout (out_features, in_features) for matrices.
-    tensors: dict[str, np.ndarray]
+    raw: dict[str, RawTensor]
+    # name -> fp32 array in PyTorch layout (out_features, in_features) for matrices, dequantized on read.
+    tensors: DequantizedTensors
     tensor_types: dict[str, str]
     # SHA-256 over the file's bytes: part of every prefix-cache key (weights shape the KV values).
     fingerprint: str
@@ -138,14 +177,12 @@ def read_hparams(reader) -> LlamaHParams:
 
 
 def load_gguf(path: str | Path) -> LoadedGGUF:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
     reader = _open_reader(path)
     hp = read_hparams(reader)
-    tensors: dict[str, np.ndarray] = {}
-    types: dict[str, str] = {}
+    raw: dict[str, RawTensor] = {}
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype.name not in SUPPORTED_TENSOR_TYPES:
@@ -153,25 +190,30 @@ def load_gguf(path: str | Path) -> LoadedGGUF:
                 f"tensor {t.name!r} has type {qtype.name}, which isolab does not read "
                 f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
             )
-        try:
-            arr = dequantize(t.data, qtype).astype(np.float32, copy=False)
-        except Exception as exc:
-            raise ModelLoadError(f"tensor {t.name!r} could not be read ({exc})") from exc
         # gguf lists dims innermost first; numpy shape is the reverse: (out_features, in_features).
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if arr.size != int(np.prod(shape)):
-            raise ModelLoadError(f"tensor {t.name!r} holds {arr.size} values, not {shape}")
-        tensors[t.name] = arr.reshape(shape)
-        types[t.name] = qtype.name
-    _check_tensors(tensors, hp)
-    for i in range(hp.num_layers):
-        tensors[f"blk.{i}.attn_q.weight"] = reverse_permute(tensors[f"blk.{i}.attn_q.weight"], hp.num_heads)
-        tensors[f"blk.{i}.attn_k.weight"] = reverse_permute(tensors[f"blk.{i}.attn_k.weight"], hp.num_kv_heads)
+        data = t.data
+        if data.dtype == np.uint8:  # quantized: (rows, bytes a row)
+            block, nbytes = GGML_QUANT_SIZES[qtype]
+            if data.size * block != int(np.prod(shape)) * nbytes:
+                raise ModelLoadError(f"tensor {t.name!r} holds {data.size} bytes, not {shape} of {qtype.name}")
+            data = data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+        elif data.size != int(np.prod(shape)):
+            raise ModelLoadError(f"tensor {t.name!r} holds {data.size} values, not {shape}")
+        else:
+            data = data.reshape(shape)
+        raw[t.name] = RawTensor(qtype.name, shape, data)
+    _check_shapes({n: r.shape for n, r in raw.items()}, hp)
+    for i in range(hp.num_layers):  # rows are whole blocks: permuting them works on the bytes
+        for name, heads in ((f"blk.{i}.attn_q.weight", hp.num_heads), (f"blk.{i}.attn_k.weight", hp.num_kv_heads)):
+            r = raw[name]
+            raw[name] = RawTensor(r.qtype, r.shape, np.ascontiguousarray(reverse_permute(r.data, heads)))
     metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
-    return LoadedGGUF(path, hp, tensors, types, file_fingerprint(path), metadata)
+    types = {n: r.qtype for n, r in raw.items()}
+    return LoadedGGUF(path, hp, raw, DequantizedTensors(raw), types, file_fingerprint(path), metadata)
 
 
-def _check_tensors(tensors: dict[str, np.ndarray], hp: LlamaHParams) -> None:
+def _check_shapes(shapes: dict[str, tuple[int, ...]], hp: LlamaHParams) -> None:
     d, kv = hp.hidden_size, hp.num_kv_heads * hp.head_dim
     expected = {"token_embd.weight": (hp.vocab_size, d), "output_norm.weight": (d,)}
     for i in range(hp.num_layers):
@@ -188,9 +230,9 @@ def _check_tensors(tensors: dict[str, np.ndarray], hp: LlamaHParams) -> None:
             p + "ffn_down.weight": (d, hp.intermediate_size),
         })
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in shapes:
             raise ModelLoadError(f"the GGUF file lacks tensor {name!r} that a llama model needs")
-        if tuple(tensors[name].shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    if "output.weight" in tensors and tuple(tensors["output.weight"].shape) != (hp.vocab_size, d):
-        raise ModelLoadError(f"tensor 'output.weight' has shape {tensors['output.weight'].shape}")
+        if tuple(shapes[name]) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {shape}")
+    if "output.weight" in shapes and tuple(shapes["output.weight"]) != (hp.vocab_size, d):
+        raise ModelLoadError(f"tensor 'output.weight' has shape {shapes['output.weight']}")

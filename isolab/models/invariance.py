@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from isolab import kernels
+from isolab.kernels import quant
 from isolab.models.attention import attention_core, write_kv
-from isolab.models.linear import GEMM_PATHS, GemmPath, Weight, path_applies
+from isolab.models.linear import GEMM_PATHS, GemmPath, QuantWeight, Weight, path_applies
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ CHECK_M = (1, 2, 3, 5, 9, 17, 32, 33, 64, 128, 512)
 MAX_M = 512
 MAX_M_WIDE = 128  # rows for a GEMM wider than WIDE columns (the vocabulary head): bounds the cost
 WIDE = 16384
-CHECK_VERSION = 2  # bump when the check itself changes: old verdicts are then not reused
+CHECK_VERSION = 3  # bump when the check itself changes: old verdicts are then not reused
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class InvarianceReport:
     rejected: tuple[str, ...] = ()  # paths tried before this one and why they were refused
     env: dict[str, str] = field(default_factory=dict)  # ONEDNN_MAX_CPU_ISA / ISOLAB_KERNEL_ISA if set
     attention_isa: str | None = None  # bf16 native attention's code path (kernels.attention_isa)
+    # weights kept in GGUF blocks (kernels/qgemm.cpp): their GEMMs' mismatches are in gemm_mismatches
+    # under "u4/fp16 960x576" keys; qgemm_isa: its integer path, "torch" for the reference
+    quant_shapes: tuple[str, ...] = ()
+    qgemm_isa: str | None = None
+    dense_gemms: bool = True  # whether any GEMM runs dense (on gemm_path)
+
+    @property
+    def weights(self) -> str:
+        """native: GEMMs on the GGUF's quantized blocks (every layer, or with some dense); dense."""
+        return "native" if self.quant_shapes else "dense"
 
     @property
     def gemm_ok(self) -> bool:
@@ -65,6 +76,9 @@ class InvarianceReport:
     def numerics(self) -> str:
         """One line for /health, logs and reports: e.g. 'isolab-gemm/amx + native/amx attention'."""
         g = f"{self.gemm_path}-gemm" + (f"/{self.kernel_isa}" if self.gemm_path == "isolab" and self.kernel_isa else "")
+        if self.quant_shapes:
+            q = f"q-gemm/{self.qgemm_isa} ({', '.join(sorted({s.split()[0] for s in self.quant_shapes}))})"
+            g = f"{q} + {g}" if self.dense_gemms else q
         a = self.attention + (f"/{self.attention_isa}" if self.attention_isa else "")
         return f"{g} + {a} attention"
 
@@ -191,16 +205,20 @@ def _key(parts: dict) -> str:
 
 
 def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-          heads: tuple[int, int, int], native_attention: bool, *, use_cache: bool = True) -> InvarianceReport:
-    """Measure one GEMM path on `shapes` [(N, K)] and the attention path on heads (H, Hkv, Dh)."""
+          heads: tuple[int, int, int], native_attention: bool, *, use_cache: bool = True,
+          quant_shapes: list[tuple[str, int, int]] = (), quant_native: bool = False) -> InvarianceReport:  # type: ignore[assignment]
+    """Measure one GEMM path on `shapes` [(N, K)], the quantized GEMM on `quant_shapes` [(format
+    label, N, K)] (qgemm.cpp where quant_native, else its torch reference) and the attention path
+    on heads (H, Hkv, Dh)."""
     dname = "bf16" if dtype == torch.bfloat16 else "fp32"
     kernel_isa = kernels.gemm_isa() if native_attention or path == "isolab" else None
+    qisa = (kernels.qgemm_isa() if quant_native else "torch") if quant_shapes else None
     parts = {
         "v": CHECK_VERSION, "cpu": cpu_description(), "torch": torch.__version__, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
         "kernels": kernels.build_key() if kernel_isa else "", "env": _env(), "dtype": dname, "path": path,
         "shapes": sorted(shapes), "heads": list(heads), "attention": native_attention,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "quant": [list(q) for q in sorted(quant_shapes)], "qisa": qisa,
     }
     target = _cache_dir() / f"{_key(parts)}.json"
     if use_cache and target.exists():
@@ -208,6 +226,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
             data = json.loads(target.read_text())
             data.pop("numerics", None)
             data["rejected"] = tuple(data.get("rejected", ()))
+            data["quant_shapes"] = tuple(data.get("quant_shapes", ()))
             return InvarianceReport(**{**data, "cached": True})
         except (OSError, ValueError, TypeError):
             pass  # a damaged entry is measured again
@@ -218,6 +237,10 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
             w = Weight(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(device=device, dtype=dtype),
                        path)
             gm[f"{n}x{k}"] = gemm_mismatches(w, n, k, dtype, device)
+        for label, n, k in sorted(set(quant_shapes)):
+            fmt = next(f for f, name in quant.FORMAT_NAMES.items() if label.startswith(name + "/"))
+            qw = QuantWeight(quant.random_unpacked(fmt, n, k, label.endswith("fp16"), seed=n + k), device, quant_native)
+            gm[f"{label} {n}x{k}"] = gemm_mismatches(qw, n, k, dtype, device)
         am = attention_mismatches(dtype, device, *heads, native=native_attention)
     ok = all(v == 0 for per in gm.values() for v in per.values()) and all(v == 0 for v in am.values())
     report = InvarianceReport(
@@ -225,6 +248,8 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         cpu=cpu_description(), dtype=dname, gemm_mismatches=gm, attention_mismatches=am,
         seconds=round(time.perf_counter() - t0, 3), env=_env(),
         attention_isa=kernels.attention_isa() if native_attention and dname == "bf16" else None,
+        quant_shapes=tuple(f"{label} {n}x{k}" for label, n, k in sorted(set(quant_shapes))), qgemm_isa=qisa,
+        dense_gemms=bool(shapes),
     )
     if use_cache:
         try:
@@ -238,7 +263,8 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
 
 
 def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int],
-           native: bool, forced: GemmPath | None = None) -> InvarianceReport:
+           native: bool, forced: GemmPath | None = None, quant_shapes: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
+           quant_native: bool = False) -> InvarianceReport:
     """The first GEMM path (models/linear.py: GEMM_PATHS) that applies here and whose GEMMs pass the
     check, with its report (whose verdict covers attention too: no GEMM path mends attention). `forced`: check that path only and keep it whatever the verdict (the
     --gemm option, and the batch-variant-gemm fault). None passing: the first that applies, with
@@ -247,7 +273,7 @@ def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.devi
     rejected: list[str] = []
     first: InvarianceReport | None = None
     for path in candidates:
-        report = check(path, shapes, dtype, device, heads, native)
+        report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes, quant_native=quant_native)
         first = first or report
         if report.gemm_ok or forced:
             report = dataclasses.replace(report, rejected=tuple(rejected))

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from isolab import kernels
+from isolab.kernels import quant
 
 GemmPath = Literal["isolab", "onednn", "fixed-tile", "torch", "split-k"]
 GEMM_PATHS: tuple[GemmPath, ...] = ("isolab", "onednn", "fixed-tile", "torch")  # preference order
@@ -88,3 +90,70 @@ class Weight:
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         return torch.cat([F.linear(x[s : s + TILE], self.data) for s in range(0, m + pad, TILE)])[:m]
+
+
+class QuantWeight:
+    """A linear layer's (N, K) weight kept in its GGUF block format (kernels/quant.py) and
+    multiplied on the blocks: by qgemm.cpp where the native kernels run, else by the torch
+    reference (a GPU, no compiler), which gives the same bits. Invariant by construction: the
+    arithmetic of an output element is fixed by its row and the weight alone (qgemm.cpp)."""
+
+    __slots__ = ("n", "fmt", "fp16", "qtype", "packed", "ref", "out_dtype", "halves", "_run")
+    path = "quant"
+
+    def __init__(self, u: quant.Unpacked, device: torch.device, native: bool,
+                 out_dtype: torch.dtype | None = None, split_k: bool = False) -> None:
+        """split_k: FAULT batch-variant-gemm (as the dense split-k path): from M >= 8 rows, the
+        blocks are folded in two halves added at the end, another order than smaller M's."""
+        self.n = u.q.shape[0]
+        self.fmt = u.fmt
+        self.fp16 = u.d.dtype == np.float16
+        self.qtype = u.qtype  # what the GGUF stored, e.g. "Q4_1"
+        self.packed = quant.pack(u) if native else None  # uint8 (N/16, K/32, record)
+        self.ref = None if native else quant.TorchUnpacked(u, device)
+        self.out_dtype = out_dtype  # None: the input's dtype
+        self._run = kernels.qgemm_bound(self.packed, u.fmt, self.fp16, self.n, out_dtype) if native else None
+        self.halves: tuple[int, QuantWeight, QuantWeight] | None = None  # (K cut, k < cut, k >= cut)
+        nb = u.q.shape[1] // quant.QK
+        if split_k and nb >= 2:
+            cut = nb // 2 * quant.QK
+
+            def part(lo: int, hi: int) -> QuantWeight:
+                mn = None if u.mn is None else u.mn[:, lo // quant.QK : hi // quant.QK]
+                piece = quant.Unpacked(u.fmt, u.q[:, lo:hi], u.d[:, lo // u.group : hi // u.group], mn, u.qtype)
+                return QuantWeight(piece, device, native, torch.float32)
+
+            self.halves = (cut, part(0, cut), part(cut, u.q.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel()
+        assert self.ref is not None
+        return sum(t.numel() * t.element_size() for t in (self.ref.qf, self.ref.d, self.ref.mn) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: (M, K) -> (M, N)."""
+        out = self.out_dtype or x.dtype
+        if self.halves is not None and x.shape[0] >= 8:  # FAULT batch-variant-gemm
+            cut, lo, hi = self.halves
+            return (lo(x[:, :cut]) + hi(x[:, cut:])).to(out)
+        if self._run is not None:
+            return self._run(x if x.stride(1) == 1 else x.contiguous())
+        assert self.ref is not None
+        return quant.qgemm_ref(x, self.ref, out)
+
+
+class StackedWeight:
+    """Weights whose formats cannot share one GEMM (u4 beside s8), run one after another and
+    concatenated along N."""
+
+    __slots__ = ("parts", "n")
+    path = "quant"
+
+    def __init__(self, parts: list[Weight | QuantWeight]) -> None:
+        self.parts = parts
+        self.n = sum(p.n for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)

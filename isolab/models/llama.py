@@ -23,22 +23,49 @@ import torch
 import torch.nn.functional as F
 
 from isolab import kernels
+from isolab.kernels import quant
 from isolab.models import invariance
 from isolab.models.attention import KEY_PAD, attention_core
-from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF
-from isolab.models.linear import GemmPath, Weight, path_applies
+from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
+from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
+
+Linear = Weight | QuantWeight | StackedWeight
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+WEIGHTS = ("native", "dense")
+
+
+def _native_format(loaded: LoadedGGUF, names: list[str]) -> bool:
+    """Whether these tensors (stacked along N) can stay in their GGUF blocks: native types, K % 32 == 0."""
+    return all(loaded.raw[n].qtype in quant.NATIVE_TYPES and loaded.raw[n].shape[-1] % quant.QK == 0 for n in names)
+
+
+class Embedding:
+    """Token embeddings read from the GGUF's blocks (the mmapped file) row by row: one copy of the
+    table, shared with a tied head that multiplies on the same blocks."""
+
+    def __init__(self, raw: RawTensor, dtype: torch.dtype, device: torch.device) -> None:
+        self.raw, self.dtype, self.device = raw, dtype, device
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D), a fresh tensor
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = self.raw.data[ids.cpu().numpy()]
+        vals = dequantize(rows, GGMLQuantizationType[self.raw.qtype]).astype(np.float32, copy=False)
+        return torch.from_numpy(vals.reshape(len(rows), -1)).to(device=self.device, dtype=self.dtype)
 
 
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor  # (D,)
-    wqkv: Weight  # (H*Dh + 2*Hkv*Dh, D): q, k, v in one GEMM
-    wo: Weight  # (D, H*Dh)
+    wqkv: Linear  # (H*Dh + 2*Hkv*Dh, D): q, k, v in one GEMM
+    wo: Linear  # (D, H*Dh)
     ffn_norm: torch.Tensor  # (D,)
-    w_gate_up: Weight  # (2I, D): gate and up in one GEMM
-    w_down: Weight  # (D, I)
+    w_gate_up: Linear  # (2I, D): gate and up in one GEMM
+    w_down: Linear  # (D, I)
 
 
 class AttentionBackend(Protocol):
@@ -86,47 +113,78 @@ class LlamaModel:
     """Weights plus the forward; stateless between calls (all K/V lives in the backend)."""
 
     def __init__(self, loaded: LoadedGGUF, dtype: str = "bf16", device: str | torch.device = "cpu",
-                 native: bool | None = None, gemm: GemmPath | None = None) -> None:
-        """native: run isolab's native kernels (None: wherever they build and apply; False: torch ops).
-        gemm: the GEMM path (None: the first that passes the invariance check here; a name: that
-        path, checked and reported but kept whatever the verdict)."""
+                 native: bool | None = None, gemm: GemmPath | None = None, weights: str = "dense") -> None:
+        """dtype: activations and K/V. native: run isolab's native kernels (None: wherever they
+        build and apply; False: torch ops). gemm: the dense GEMM path (None: the first that passes
+        the invariance check here; a name: that path, checked and reported but kept whatever the
+        verdict). weights: "native" keeps the GGUF's quantized blocks and multiplies on them
+        (kernels/qgemm.cpp; tensors of other types run dense), "dense" dequantizes every weight to
+        `dtype` (the fp32 dense path is the bit-exact reference of the golden tests)."""
         hp = loaded.hparams
         self.hp = hp
         self.dtype = TORCH_DTYPES[dtype]
         self.device = torch.device(device)
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+        self.weights = weights
         t = loaded.tensors
         # Attention and row ops: isolab's native kernels where they build (CPU), else torch.
         can = kernels.available(self.device, self.dtype, hp.num_heads, hp.num_kv_heads, hp.head_dim)
         if native and not can:
             raise ValueError("native kernels were asked for but do not build or apply here (see isolab/kernels)")
         self.native_kernels = can if native is None else native
-        D, H, Hkv, Dh = hp.hidden_size, hp.num_heads, hp.num_kv_heads, hp.head_dim
-        shapes = [((H + 2 * Hkv) * Dh, D), (D, H * Dh), (2 * hp.intermediate_size, D), (D, hp.intermediate_size),
-                  (hp.vocab_size, D)]
-        if self.dtype == torch.bfloat16 and any(k % 2 for _, k in shapes) and gemm is None:
+        H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
+        head = "output.weight" if "output.weight" in loaded.raw else "token_embd.weight"
+        stacks = [[head]] + [[f"blk.{i}.{n}.weight" for n in names] for i in range(hp.num_layers)
+                             for names in (["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"],
+                                           ["ffn_down"])]
+        # the GEMMs that run on GGUF blocks, by record format and shape, and those that run dense
+        quant_shapes: set[tuple[str, int, int]] = set()
+        dense_shapes: set[tuple[int, int]] = set()
+        for names in stacks:
+            k = loaded.raw[names[0]].shape[-1]
+            if weights == "native" and _native_format(loaded, names):
+                for fmt, fp16, idx in quant.plan([loaded.raw[n].qtype for n in names]):
+                    quant_shapes.add((quant.format_label(fmt, fp16), sum(loaded.raw[names[i]].shape[0] for i in idx), k))
+            else:
+                dense_shapes.add((sum(loaded.raw[n].shape[0] for n in names), k))
+        if self.dtype == torch.bfloat16 and any(k % 2 for _, k in dense_shapes) and gemm is None:
             gemm = "onednn" if path_applies("onednn", self.device, self.dtype, False) else "fixed-tile"
+        on_blocks = self.native_kernels and kernels.native_ready()  # qgemm.cpp; else the torch reference
         # What the proof stands on: measured here, on these shapes (cached per machine and shape).
-        self.numerics = invariance.choose(shapes, self.dtype, self.device, (H, Hkv, Dh), self.native_kernels,
-                                          forced=gemm)
+        self.numerics = invariance.choose(sorted(dense_shapes), self.dtype, self.device, (H, Hkv, Dh),
+                                          self.native_kernels, forced=gemm, quant_shapes=sorted(quant_shapes),
+                                          quant_native=on_blocks)
         path: GemmPath = self.numerics.gemm_path  # type: ignore[assignment]
 
         def w(name: str) -> torch.Tensor:
             return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
 
-        self.embed = w("token_embd.weight")  # (V, D)
-        # tied embeddings: the head is packed apart from the (V, D) table that lookups read
-        self.lm_head = Weight(w("output.weight") if "output.weight" in t else self.embed, path)
+        def linear(names: list[str], out_dtype: torch.dtype | None = None) -> Weight | QuantWeight | StackedWeight:
+            if not _native_format(loaded, names) or weights != "native":
+                return Weight(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), path)
+            parts = [quant.unpack_gguf(loaded.raw[n].data, loaded.raw[n].qtype, loaded.raw[n].shape) for n in names]
+            split = gemm == "split-k"  # FAULT batch-variant-gemm reaches the quantized GEMMs too
+            try:
+                return QuantWeight(quant.concat(parts), self.device, on_blocks, out_dtype, split)
+            except ValueError:  # u4 beside s8: one GEMM each
+                return StackedWeight([QuantWeight(p, self.device, on_blocks, out_dtype, split) for p in parts])
+
+        # the head: logits in fp32 straight from the accumulators where it runs on the blocks
+        self.lm_head = linear([head], torch.float32)
+        self.embed = Embedding(loaded.raw["token_embd.weight"], self.dtype, self.device) if weights == "native" \
+            else w("token_embd.weight")  # (V, D)
         self.final_norm = w("output_norm.weight")
         self.layers: list[Layer] = []
         for i in range(hp.num_layers):
             p = f"blk.{i}."
             self.layers.append(Layer(
                 attn_norm=w(p + "attn_norm.weight"),
-                wqkv=Weight(torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]), path),
-                wo=Weight(w(p + "attn_output.weight"), path),
+                wqkv=linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]),
+                wo=linear([p + "attn_output.weight"]),
                 ffn_norm=w(p + "ffn_norm.weight"),
-                w_gate_up=Weight(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]), path),
-                w_down=Weight(w(p + "ffn_down.weight"), path),
+                w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                w_down=linear([p + "ffn_down.weight"]),
             ))
         inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
         pos = torch.arange(hp.context_length, dtype=torch.float32)

@@ -127,7 +127,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         numerics = state.numerics
         return JSONResponse({"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
-                             "cpu": numerics.cpu})
+                             "weights": numerics.weights, "cpu": numerics.cpu})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -57,7 +57,8 @@ class ServerMetrics:
                   "batch-invariant on this machine, else 0", registry=r).set(int(numerics.invariant))
             Info("isolab_numerics", "the numerics path the engine runs", registry=r).info(
                 {"path": numerics.numerics, "gemm": numerics.gemm_path, "attention": numerics.attention,
-                 "dtype": numerics.dtype, "kernel_isa": numerics.kernel_isa or "none"})
+                 "dtype": numerics.dtype, "kernel_isa": numerics.kernel_isa or "none",
+                 "weights": numerics.weights, "qgemm_isa": numerics.qgemm_isa or "none"})
         self.http_requests = Counter(
             "isolab_http_requests", "HTTP requests answered, by route and status code", ["route", "code"], registry=r
         )

@@ -138,7 +138,7 @@ def test_models_and_health(srv):
     health = httpx.get(srv.url + "/health").json()
     numerics = srv.engine.model.numerics  # the start-up invariance check, as /health and /metrics report it
     assert health == {"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
-                      "cpu": numerics.cpu}
+                      "weights": numerics.weights, "cpu": numerics.cpu}
     assert health["batch_invariant"] is True  # isolab's own GEMM and kernels: invariant on every CPU
     metrics = httpx.get(srv.url + "/metrics").text
     assert "isolab_batch_invariant 1.0" in metrics

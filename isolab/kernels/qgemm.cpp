@@ -1,0 +1,383 @@
+// isolab's GEMM on quantized weights: out (M, N) = A (M, K) @ W^T, W kept in GGUF-style blocks of
+// 32 k's (4 or 8 bits a weight), never dequantized as a whole (issue 13).
+//
+// What it computes (the definition; isolab/kernels/qref.py computes the same bits with torch):
+//   1. Each row of A is quantized per block of 32 k's, as llama.cpp's Q8 activations are:
+//        amax = max |a_k|;  id = amax ? 127 / amax : 0;  q_k = rint(a_k * id) (nearest even);
+//        da = amax / 127;  sa_g = sum of q_k over each group g of G k's;  xs = da * float(sa_32)
+//      A row's blocks depend on that row alone.
+//   2. Per output (m, n) and block b, an integer dot product isum_g = sum_k wq[n][k] * q[m][k] over
+//      each group (exact in int32: |isum| < 2^20, so exact in fp32 too).
+//   3. The blocks are folded in order b = 0, 1, ..., nb-1, from acc = +0.0, with one rounding per
+//      operation and no fma (built with -ffp-contract=off):
+//        u4 (4-bit q in 0..15, w = d q + mn):  acc = acc + (d[n][b] * da) * isum;  acc = acc + mn[n][b] * xs
+//        s8 (signed q, w = d q):               for each group g: acc = acc + (d[n][b][g] * da) * isum_g
+//      then out = round(acc) to the output type.
+// The integer part is exact on every ISA and the float part is the same sequence of IEEE
+// operations, so the bits depend on nothing but the row and W: not on M, the neighbours, the
+// thread count, or whether AVX-512 VNNI, AVX2 or plain C (or torch) ran it. That is batch
+// invariance by construction, and the same bits on every x86 CPU.
+//
+// Formats (isolab/kernels/quant.py packs them from GGUF blocks):
+//   u4: Q4_0 (mn = -8 d), Q4_1 (d, m), Q4_K (d = d_super * sc_j, mn = -dmin * m_j; fp32 scales)
+//   s8: Q8_0 (G = 32), Q5_0 (q - 16, G = 32), Q6_K (q - 32, G = 16, d = d_super * sc_j; fp32 scales)
+// Layout: columns in panels of 16; per panel, per block b, one record:
+//   u4: 4 chunks of 64 bytes; chunk c, lane j (4 bytes): byte i = q[j][8c+i] | q[j][8c+4+i] << 4
+//       then d[16], mn[16] as fp16 or fp32
+//   s8: 8 chunks of 64 bytes; chunk c, lane j: byte i = q[j][4c+i] + 128 (unsigned)
+//       then d[G == 16 ? 2 : 1][16] as fp16 or fp32
+// so a panel's weights stream from memory in order. N is padded to 16 with zero records.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "simd.h"
+
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int QK = 32;     // k's per block
+constexpr int QP = 16;     // columns per panel
+constexpr int QMR = 6;     // rows per tile
+constexpr int QMC = 96;    // rows per cache block of the quantized A
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+const char* QISA = "avx512vnni";
+#elif defined(__AVX2__)
+const char* QISA = "avx2";
+#else
+const char* QISA = "generic";
+#endif
+
+// One quantized block of one row of A.
+struct QA {
+    int8_t q[QK];
+    float d;    // da
+    float xs;   // da * float(sum of q)
+    int32_t s16[2];  // sums of q over k 0..15 and 16..31
+};
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {  // subnormal: normalize
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline v16f load_scales(const uint8_t* p, bool fp16) {
+    v16f r;
+    if (fp16) {
+#if defined(__AVX512F__)
+        const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+        std::memcpy(&r, &v, 64);
+        return r;
+#elif defined(__F16C__)
+        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+        std::memcpy(&r, &lo, 32);
+        std::memcpy((char*)&r + 32, &hi, 32);
+        return r;
+#endif
+        uint16_t h[16];
+        std::memcpy(h, p, 32);
+        for (int j = 0; j < 16; j++) r[j] = half_to_float(h[j]);
+    } else {
+        std::memcpy(&r, p, 64);
+    }
+    return r;
+}
+
+template <typename T>
+static void quantize_row(const T* a, int K, QA* out) {
+    for (int b = 0; b < K / QK; b++) {
+        float x[QK], amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            x[i] = load(a, (long)b * QK + i);
+            const float ax = std::fabs(x[i]);
+            amax = ax > amax ? ax : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        QA& o = out[b];
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < QK; i++) {
+            const int q = (int)std::nearbyint(x[i] * id);
+            o.q[i] = (int8_t)q;
+            (i < 16 ? s0 : s1) += q;
+        }
+        o.d = amax / 127.0f;
+        o.xs = o.d * (float)(s0 + s1);
+        o.s16[0] = s0;
+        o.s16[1] = s1;
+    }
+}
+
+static inline int32_t load4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// ---- the integer part: one block of one panel for R rows -> isum (16 lanes) per row and group ----
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int R>
+static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+    __m512i acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; c++) {
+        const __m512i x = _mm512_loadu_si512(w + 64 * c);
+        const __m512i lo = _mm512_and_si512(x, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(load4(a[r]->q + 8 * c)));
+            acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(load4(a[r]->q + 8 * c + 4)));
+        }
+    }
+    for (int r = 0; r < R; r++) std::memcpy(&s[r], &acc[r], 64);
+}
+// s8 weights are stored + 128: dpbusd gives sum (q + 128) a = isum + 128 sa
+template <int R, int G>
+static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+    __m512i acc0[R], acc1[R];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        const __m512i x = _mm512_loadu_si512(w + 64 * c);
+        for (int r = 0; r < R; r++) {
+            const __m512i av = _mm512_set1_epi32(load4(a[r]->q + 4 * c));
+            if (G == 16 && c >= 4)
+                acc1[r] = _mm512_dpbusd_epi32(acc1[r], x, av);
+            else
+                acc0[r] = _mm512_dpbusd_epi32(acc0[r], x, av);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (G == 16) {
+            acc0[r] = _mm512_sub_epi32(acc0[r], _mm512_set1_epi32(128 * a[r]->s16[0]));
+            acc1[r] = _mm512_sub_epi32(acc1[r], _mm512_set1_epi32(128 * a[r]->s16[1]));
+            std::memcpy(&s1[r], &acc1[r], 64);
+        } else {
+            acc0[r] = _mm512_sub_epi32(acc0[r], _mm512_set1_epi32(128 * (a[r]->s16[0] + a[r]->s16[1])));
+        }
+        std::memcpy(&s0[r], &acc0[r], 64);
+    }
+}
+#elif defined(__AVX2__)
+template <int R>
+static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < 4; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i*)(w + 64 * c + 32 * h));
+            const __m256i lo = _mm256_and_si256(x, mask);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+            for (int r = 0; r < R; r++) {  // pairs: 2 * 15 * 128 < 2^15, no saturation
+                const __m256i p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a[r]->q + 8 * c)));
+                const __m256i q = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a[r]->q + 8 * c + 4)));
+                acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_add_epi16(p, q), ones));
+            }
+        }
+    for (int r = 0; r < R; r++) std::memcpy(&s[r], acc[r], 64);
+}
+template <int R, int G>
+static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+    __m256i acc0[R][2], acc1[R][2];
+    for (int r = 0; r < R; r++) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_si256();
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < 8; c++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + 64 * c + 32 * h)), flip);
+            const __m256i ax = _mm256_sign_epi8(x, x);  // |q| as unsigned (128 stays 128)
+            for (int r = 0; r < R; r++) {  // pairs: 2 * 128 * 127 < 2^15, no saturation
+                const __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(load4(a[r]->q + 4 * c)), x);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sa), ones);
+                if (G == 16 && c >= 4)
+                    acc1[r][h] = _mm256_add_epi32(acc1[r][h], p);
+                else
+                    acc0[r][h] = _mm256_add_epi32(acc0[r][h], p);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        std::memcpy(&s0[r], acc0[r], 64);
+        if (G == 16) std::memcpy(&s1[r], acc1[r], 64);
+    }
+}
+#else
+template <int R>
+static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 16; j++) {
+            int32_t acc = 0;
+            for (int c = 0; c < 4; c++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t b = w[64 * c + 4 * j + i];
+                    acc += (b & 15) * a[r]->q[8 * c + i] + (b >> 4) * a[r]->q[8 * c + 4 + i];
+                }
+            s[r][j] = acc;
+        }
+}
+template <int R, int G>
+static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 16; j++) {
+            int32_t acc0 = 0, acc1 = 0;
+            for (int c = 0; c < 8; c++)
+                for (int i = 0; i < 4; i++) {
+                    const int q = (int)w[64 * c + 4 * j + i] - 128;
+                    (G == 16 && c >= 4 ? acc1 : acc0) += q * a[r]->q[4 * c + i];
+                }
+            s0[r][j] = acc0;
+            if (G == 16) s1[r][j] = acc1;
+        }
+}
+#endif
+
+// ---- the float part: the same IEEE operations on every build ----
+
+enum Fmt { U4 = 0, S8 = 1, S8G16 = 2 };
+
+static inline long record_bytes(int fmt, bool fp16) {
+    const long sb = fp16 ? 32 : 64;  // one row of 16 scales
+    return fmt == U4 ? 256 + 2 * sb : fmt == S8 ? 512 + sb : 512 + 2 * sb;
+}
+
+template <int FMT, int R>
+static void run_panel_tile(const uint8_t* W, int nb, bool fp16, const QA* const* rows, v16f* acc) {
+    const long rb = record_bytes(FMT, fp16), sb = fp16 ? 32 : 64;
+    for (int r = 0; r < R; r++) acc[r] = v16f{};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* rec = W + (long)b * rb;
+        const QA* a[R];
+        for (int r = 0; r < R; r++) a[r] = rows[r] + b;
+        v16i s0[R], s1[R];
+        if (FMT == U4) {
+            dot_u4<R>(rec, a, s0);
+            const v16f d = load_scales(rec + 256, fp16), mn = load_scales(rec + 256 + sb, fp16);
+            for (int r = 0; r < R; r++) {
+                acc[r] = acc[r] + (d * a[r]->d) * __builtin_convertvector(s0[r], v16f);
+                acc[r] = acc[r] + mn * a[r]->xs;
+            }
+        } else if (FMT == S8) {
+            dot_s8<R, 32>(rec, a, s0, s1);
+            const v16f d = load_scales(rec + 512, fp16);
+            for (int r = 0; r < R; r++) acc[r] = acc[r] + (d * a[r]->d) * __builtin_convertvector(s0[r], v16f);
+        } else {
+            dot_s8<R, 16>(rec, a, s0, s1);
+            const v16f d0 = load_scales(rec + 512, fp16), d1 = load_scales(rec + 512 + sb, fp16);
+            for (int r = 0; r < R; r++) {
+                acc[r] = acc[r] + (d0 * a[r]->d) * __builtin_convertvector(s0[r], v16f);
+                acc[r] = acc[r] + (d1 * a[r]->d) * __builtin_convertvector(s1[r], v16f);
+            }
+        }
+    }
+}
+
+template <int FMT, typename TO>
+static void tile(int rows, const uint8_t* W, int nb, bool fp16, const QA* const* a, TO* out, long ldo, int cols) {
+    v16f acc[QMR];
+    switch (rows) {
+        case 1: run_panel_tile<FMT, 1>(W, nb, fp16, a, acc); break;
+        case 2: run_panel_tile<FMT, 2>(W, nb, fp16, a, acc); break;
+        case 3: run_panel_tile<FMT, 3>(W, nb, fp16, a, acc); break;
+        case 4: run_panel_tile<FMT, 4>(W, nb, fp16, a, acc); break;
+        case 5: run_panel_tile<FMT, 5>(W, nb, fp16, a, acc); break;
+        default: run_panel_tile<FMT, 6>(W, nb, fp16, a, acc); break;
+    }
+    for (int r = 0; r < rows; r++) {
+        if (cols == 16) {
+            store16(out + r * ldo, acc[r]);
+        } else {
+            for (int j = 0; j < cols; j++) store(out + r * ldo, j, acc[r][j]);
+        }
+    }
+}
+static_assert(QMR == 6, "tile's switch covers 1..QMR rows");
+
+template <typename TA, typename TO>
+static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, TO* out, int M, int N, int K) {
+    const int nb = K / QK, panels = (N + QP - 1) / QP;
+    const long rb = record_bytes(fmt, fp16), panel_bytes = rb * nb;
+    QA* qa = (QA*)std::aligned_alloc(64, sizeof(QA) * ((size_t)M * nb + 1));
+    const bool par = (long)M * N * K > 50000;
+#pragma omp parallel if (par)
+    {
+#pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) quantize_row(A + (long)m * lda, K, qa + (long)m * nb);
+        for (int m0 = 0; m0 < M; m0 += QMC) {
+            const int m1 = m0 + QMC < M ? m0 + QMC : M;
+#pragma omp for schedule(static)
+            for (int p = 0; p < panels; p++) {
+                const uint8_t* wp = W + (long)p * panel_bytes;
+                const int cols = N - p * QP < QP ? N - p * QP : QP;
+                for (int m = m0; m < m1; m += QMR) {
+                    const int rows = m1 - m < QMR ? m1 - m : QMR;
+                    const QA* a[QMR];
+                    for (int r = 0; r < rows; r++) a[r] = qa + (long)(m + r) * nb;
+                    TO* o = out + (long)m * N + (long)p * QP;
+                    if (fmt == U4)
+                        tile<U4>(rows, wp, nb, fp16, a, o, N, cols);
+                    else if (fmt == S8)
+                        tile<S8>(rows, wp, nb, fp16, a, o, N, cols);
+                    else
+                        tile<S8G16>(rows, wp, nb, fp16, a, o, N, cols);
+                }
+            }
+        }
+    }
+    std::free(qa);
+}
+
+}  // namespace
+
+extern "C" {
+const char* isolab_qgemm_isa() { return QISA; }
+long isolab_qgemm_record_bytes(int fmt, int fp16) { return record_bytes(fmt, fp16 != 0); }
+// A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
+// K % 32 == 0.
+void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,
+                  int M, int N, int K) {
+    if (a_bf16) {
+        if (out_bf16) qgemm((const uint16_t*)A, lda, W, fmt, fp16 != 0, (uint16_t*)out, M, N, K);
+        else qgemm((const uint16_t*)A, lda, W, fmt, fp16 != 0, (float*)out, M, N, K);
+    } else {
+        if (out_bf16) qgemm((const float*)A, lda, W, fmt, fp16 != 0, (uint16_t*)out, M, N, K);
+        else qgemm((const float*)A, lda, W, fmt, fp16 != 0, (float*)out, M, N, K);
+    }
+}
+// The quantized blocks of A's rows as qgemm computes them (for tests against the torch reference):
+// qa: (M, K) int8; d, xs: (M, K/32) fp32.
+void isolab_quantize_rows(const void* A, int a_bf16, long lda, int M, int K, int8_t* q, float* d, float* xs) {
+    const int nb = K / QK;
+    QA* tmp = (QA*)std::aligned_alloc(64, sizeof(QA) * (size_t)nb);
+    for (int m = 0; m < M; m++) {
+        if (a_bf16) quantize_row((const uint16_t*)A + (long)m * lda, K, tmp);
+        else quantize_row((const float*)A + (long)m * lda, K, tmp);
+        for (int b = 0; b < nb; b++) {
+            std::memcpy(q + (long)m * K + b * QK, tmp[b].q, QK);
+            d[(long)m * nb + b] = tmp[b].d;
+            xs[(long)m * nb + b] = tmp[b].xs;
+        }
+    }
+    std::free(tmp);
+}
+}
