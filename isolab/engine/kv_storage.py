@@ -36,6 +36,16 @@ class KVStorage:
         # per layer: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
         shape = (2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim)
         self.layers = [_zeros(shape, dtype, device) for _ in range(hp.num_layers)]
+        self._pointers = None  # (k, v) C arrays of the layers' pools, for the one-call forward
+
+    def pool_pointers(self):
+        """The layers' K and V pools as two C pointer arrays (kernels.forward_layers); built once."""
+        if self._pointers is None:
+            from isolab import kernels
+
+            self._pointers = (kernels.pointer_array([kv[0] for kv in self.layers]),
+                              kernels.pointer_array([kv[1] for kv in self.layers]))
+        return self._pointers
 
     def clear(self, block_id: int) -> None:
         for kv in self.layers:

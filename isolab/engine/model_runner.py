@@ -29,7 +29,7 @@ from isolab.engine.sampler import make_generator, sample
 from isolab.engine.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from isolab.faults import Faults
 from isolab.models.attention import KEY_PAD, attention_core, causal_hidden, gather_kv, write_kv
-from isolab.models.llama import LlamaModel
+from isolab.models.llama import FusedAttention, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,15 @@ class PagedAttention:
         self.scale = scale
         self.native = native
         self.groups = groups
+
+    def fused(self) -> FusedAttention | None:
+        """What the one-call native forward needs (models/llama.py); None on the torch path."""
+        if self.native is None:
+            return None
+        n, kv = self.native, self.storage.layers[0]
+        k_pools, v_pools = self.storage.pool_pointers()
+        return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mapping, kv.shape[2],
+                              kv.shape[3], self.scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them

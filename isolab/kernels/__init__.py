@@ -38,7 +38,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
 HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
@@ -127,6 +127,14 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_qgemm.argtypes = [ptr, i32, i64, ptr, i32, i32, ptr, i32, i32, i32, i32]
     lib.isolab_quantize_rows.restype = None
     lib.isolab_quantize_rows.argtypes = [ptr, i32, i64, i32, i32, ptr, ptr, ptr]
+    for suffix in ("bf16", "fp32"):
+        fn = getattr(lib, f"isolab_forward_{suffix}")
+        fn.restype = None
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32, i32,
+                       i32, i64, i32, f32, f32, ptr, ptr, ptr, ptr, ptr]
+    lib.isolab_forward_layer_size.restype = i64
+    if lib.isolab_forward_layer_size() != ctypes.sizeof(FusedLayer):
+        raise BuildError("forward.cpp's Layer and kernels.FusedLayer disagree")
     lib.isolab_qgemm_isa.restype = ctypes.c_char_p
     lib.isolab_qgemm_isa.argtypes = []
     lib.isolab_gemm_isa.restype = ctypes.c_char_p
@@ -361,3 +369,39 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     _library().isolab_quantize_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, k, q.data_ptr(),
                                     d.data_ptr(), xs.data_ptr())
     return q, d, xs
+
+
+class FusedLinear(ctypes.Structure):
+    """forward.cpp's Linear: one layer's weight for the one-call forward."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("quant", ctypes.c_int32), ("fmt", ctypes.c_int32), ("fp16", ctypes.c_int32),
+                ("n", ctypes.c_int32), ("k", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+class FusedLayer(ctypes.Structure):
+    """forward.cpp's Layer: norms and the four linear layers."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", FusedLinear),
+                ("o", FusedLinear), ("gate_up", FusedLinear), ("down", FusedLinear)]
+
+
+def pointer_array(tensors: list[torch.Tensor]):
+    """A C array of the tensors' data pointers (the caller keeps the tensors alive)."""
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def forward_layers(x: torch.Tensor, h: torch.Tensor, layers, k_pools, v_pools, num_layers: int,
+                   final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, tables: torch.Tensor, row_table: torch.Tensor, q_pos: torch.Tensor,
+                   heads: tuple[int, int, int], nb: int, bs: int, scale: float, eps: float, widths: tuple[int, int]) -> None:
+    """Every layer in one native call (forward.cpp): x (N, D) the residual stream, in place; h (N, D)
+    layer 0's normed input on entry, the final norm's output on return. widths: (Wqkv, I)."""
+    n, d = x.shape
+    H, Hkv, Dh = heads
+    wqkv, inter = widths
+    dt = x.dtype
+    bufs = [torch.empty(n, w, dtype=dt) for w in (wqkv, H * Dh, d, 2 * inter, inter)]
+    _fn("forward", dt)(x.data_ptr(), h.data_ptr(), ctypes.byref(layers), k_pools, v_pools, num_layers,
+                       final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                       tables.data_ptr(), tables.shape[1], row_table.data_ptr(), q_pos.data_ptr(), n, d, H, Hkv, Dh,
+                       nb, bs, scale, eps, *[b.data_ptr() for b in bufs])

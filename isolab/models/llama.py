@@ -73,6 +73,25 @@ class AttentionBackend(Protocol):
         """Store k, v (N, Hkv, Dh) of this step's N tokens; return attention of q (N, H, Dh) -> (N, H, Dh)."""
         ...
 
+    def fused(self) -> FusedAttention | None:
+        """The same attention as arguments of the one-call native forward, or None (then `attend` runs)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FusedAttention:
+    """Everything the native attention kernel reads in a step, for every layer at once."""
+
+    k_pools: object  # C array of each layer's K pool pointer (KVStorage.pool_pointers)
+    v_pools: object
+    tables: torch.Tensor  # (R, table_len) int32
+    row_table: torch.Tensor  # (N,) int32
+    q_pos: torch.Tensor  # (N,) int32
+    slots: torch.Tensor  # (N,) int64: where each row's new K/V go
+    num_blocks: int
+    block_size: int
+    scale: float
+
 
 class DenseKV:
     """The reference backend: one sequence, no sharing at all.
@@ -92,6 +111,16 @@ class DenseKV:
         self.pool = [torch.zeros(2, hp.num_kv_heads, nb, KEY_PAD, hp.head_dim, dtype=dtype, device=device)
                      for _ in range(hp.num_layers)] if native else []
         self.table = torch.arange(nb, dtype=torch.int32, device=device).view(1, nb)
+        self.pointers = (kernels.pointer_array([p[0] for p in self.pool]),
+                         kernels.pointer_array([p[1] for p in self.pool])) if native else None
+
+    def fused(self) -> FusedAttention | None:
+        if not self.native or self.q_pos is None:
+            return None
+        pos = self.q_pos.to(torch.int32)
+        assert self.pointers is not None
+        return FusedAttention(*self.pointers, self.table, torch.zeros_like(pos), pos, self.q_pos.to(torch.int64),
+                              self.pool[0].shape[2], self.pool[0].shape[3], self.scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self.q_pos is not None
@@ -186,6 +215,7 @@ class LlamaModel:
                 w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
                 w_down=linear([p + "ffn_down.weight"]),
             ))
+        self._fused = self._fused_layers() if self.native_kernels and kernels.native_ready() else None
         inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
         pos = torch.arange(hp.context_length, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # (P, Dh/2)
@@ -226,14 +256,42 @@ class LlamaModel:
             x = x + L.w_down(F.silu(gate) * up)
         return self._rms_norm(x, self.final_norm)
 
+    def _fused_layers(self):
+        """forward.cpp's layer table, where every linear layer runs on a native GEMM (qgemm or the
+        dense isolab GEMM) as plain x @ W.T; None otherwise (a StackedWeight, the split-k fault)."""
+        def desc(w: Linear) -> kernels.FusedLinear | None:
+            if isinstance(w, QuantWeight) and w.packed is not None and w.halves is None and w.out_dtype is None:
+                return kernels.FusedLinear(w.packed.data_ptr(), 1, w.fmt, int(w.fp16), w.n, w.packed.shape[1] * quant.QK)
+            if isinstance(w, Weight) and w.path == "isolab":
+                k = w.data.shape[1] * (2 if w.data.dtype == torch.bfloat16 else 1)
+                return kernels.FusedLinear(w.data.data_ptr(), 0, 0, 0, w.n, k)
+            return None
+
+        table = (kernels.FusedLayer * len(self.layers))()
+        for i, L in enumerate(self.layers):
+            parts = [desc(w) for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+            if any(p is None for p in parts):
+                return None
+            table[i] = kernels.FusedLayer(L.attn_norm.data_ptr(), L.ffn_norm.data_ptr(), *parts)
+        return table
+
     def _forward_native(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The same forward with isolab's fused per-row kernels between the GEMMs: 4 native calls and
-        4 GEMMs a layer instead of about 35 torch ops. Same rounding points as the torch path."""
+        4 GEMMs a layer instead of about 35 torch ops. Same rounding points as the torch path.
+        Where every GEMM is native too, all layers run in one call (forward.cpp): the same kernels in
+        the same order, the same bits, without the Python between them."""
         hp = self.hp
         N = token_ids.shape[0]
         H, Hkv, Dh, eps = hp.num_heads, hp.num_kv_heads, hp.head_dim, hp.rms_eps
         x = self.embed[token_ids]  # (N, D), our own copy: the residual stream, updated in place
         h = kernels.rms_norm(x, self.layers[0].attn_norm, eps)
+        fa = attn.fused() if self._fused is not None and hasattr(attn, "fused") else None
+        if fa is not None:
+            kernels.forward_layers(x, h, self._fused, fa.k_pools, fa.v_pools, len(self.layers), self.final_norm,
+                                   self.rope_cos, self.rope_sin, positions.contiguous(), fa.slots, fa.tables,
+                                   fa.row_table, fa.q_pos, (H, Hkv, Dh), fa.num_blocks, fa.block_size, fa.scale, eps,
+                                   ((H + 2 * Hkv) * Dh, hp.intermediate_size))
+            return h
         for i, L in enumerate(self.layers):
             qkv = L.wqkv(h)  # (N, (H + 2 Hkv) Dh)
             kernels.rope_(qkv, self.rope_cos, self.rope_sin, positions, H + Hkv, Dh)  # q and k

@@ -76,3 +76,31 @@ def test_native_against_dense_fp32_on_the_golden_prompts(real_bundle, real_bundl
     assert rate >= 0.9, out  # measured 0.964 on 166 positions (Zen 5)
     assert out["mean_relative_l2"] < 0.08, out  # measured 0.048 (bf16 activations included)
     assert torch.isfinite(torch.tensor(worst))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1", "Q8_0"])
+def test_one_call_forward_gives_the_per_op_bits(tmp_path, dtype, qtype):
+    """forward.cpp runs every layer in one native call; it must be the same arithmetic as the per-op
+    path (the one the profiler and the faults use), through the engine and the dense reference."""
+    from isolab.models.bundle import load_bundle
+    from isolab.sampling_params import SamplingParams
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+    from isolab.testing.workload import Arrival, drive, make_engine
+
+    path = write_tiny_llama(tmp_path / f"t-{qtype}.gguf", TinySpec(layers=2, seed=3, qtype=qtype))
+    bundle = load_bundle(str(path), dtype, "cpu", weights="native")
+    model = bundle.model
+    assert model._fused is not None
+    ids = list(range(5, 45))
+    fused = model.reference_logits(ids)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    arrivals = [Arrival(0, f"r{i}", ids[i:], sp) for i in range(3)]
+    run_fused = drive(make_engine(bundle, 64), arrivals).finished
+    table, model._fused = model._fused, None
+    try:
+        assert torch.equal(model.reference_logits(ids), fused)
+        run_ops = drive(make_engine(bundle, 64), arrivals).finished
+    finally:
+        model._fused = table
+    assert {r: f.pairs() for r, f in run_fused.items()} == {r: f.pairs() for r, f in run_ops.items()}
