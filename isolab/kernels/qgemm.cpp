@@ -42,7 +42,7 @@ namespace {
 
 constexpr int QK = 32;     // k's per block
 constexpr int QP = 16;     // columns per panel
-constexpr int QMR = 6;     // rows per tile
+constexpr int QMR = 4;     // rows per tile
 constexpr int QMC = 96;    // rows per cache block of the quantized A
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -139,7 +139,7 @@ static inline int32_t load4(const int8_t* p) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int R>
-static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
     __m512i acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
     const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -156,7 +156,7 @@ static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
 }
 // s8 weights are stored + 128: dpbusd gives sum (q + 128) a = isum + 128 sa
 template <int R, int G>
-static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
     __m512i acc0[R], acc1[R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; c++) {
@@ -182,7 +182,7 @@ static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* 
 }
 #elif defined(__AVX2__)
 template <int R>
-static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
     __m256i acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -200,7 +200,7 @@ static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
     for (int r = 0; r < R; r++) std::memcpy(&s[r], acc[r], 64);
 }
 template <int R, int G>
-static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
     __m256i acc0[R][2], acc1[R][2];
     for (int r = 0; r < R; r++) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_si256();
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
@@ -224,7 +224,7 @@ static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* 
 }
 #else
 template <int R>
-static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 16; j++) {
             int32_t acc = 0;
@@ -237,7 +237,7 @@ static inline void dot_u4(const uint8_t* w, const QA* const* a, v16i* s) {
         }
 }
 template <int R, int G>
-static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 16; j++) {
             int32_t acc0 = 0, acc1 = 0;
@@ -252,6 +252,86 @@ static inline void dot_s8(const uint8_t* w, const QA* const* a, v16i* s0, v16i* 
 }
 #endif
 
+// ---- NP panels at once: each row's activation broadcast serves NP weight vectors ----
+// s[r * NP + p]: row r, panel p (panel p's records start at w + p * ps).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int QNP = 2;
+template <int R, int NP>
+static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, v16i* s) {
+    __m512i acc[R * NP];
+    for (int i = 0; i < R * NP; i++) acc[i] = _mm512_setzero_si512();
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; c++) {
+        __m512i lo[NP], hi[NP];
+        for (int p = 0; p < NP; p++) {
+            const __m512i x = _mm512_loadu_si512(w + p * ps + 64 * c);
+            lo[p] = _mm512_and_si512(x, mask);
+            hi[p] = _mm512_and_si512(_mm512_srli_epi16(x, 4), mask);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i b0 = _mm512_set1_epi32(load4(a[r]->q + 8 * c));
+            const __m512i b1 = _mm512_set1_epi32(load4(a[r]->q + 8 * c + 4));
+            for (int p = 0; p < NP; p++) {
+                acc[r * NP + p] = _mm512_dpbusd_epi32(acc[r * NP + p], lo[p], b0);
+                acc[r * NP + p] = _mm512_dpbusd_epi32(acc[r * NP + p], hi[p], b1);
+            }
+        }
+    }
+    for (int i = 0; i < R * NP; i++) std::memcpy(&s[i], &acc[i], 64);
+}
+template <int R, int G, int NP>
+static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s0, v16i* s1) {
+    __m512i acc0[R * NP], acc1[R * NP];
+    for (int i = 0; i < R * NP; i++) acc0[i] = acc1[i] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        __m512i x[NP];
+        for (int p = 0; p < NP; p++) x[p] = _mm512_loadu_si512(w + p * ps + 64 * c);
+        for (int r = 0; r < R; r++) {
+            const __m512i av = _mm512_set1_epi32(load4(a[r]->q + 4 * c));
+            for (int p = 0; p < NP; p++) {
+                if (G == 16 && c >= 4)
+                    acc1[r * NP + p] = _mm512_dpbusd_epi32(acc1[r * NP + p], x[p], av);
+                else
+                    acc0[r * NP + p] = _mm512_dpbusd_epi32(acc0[r * NP + p], x[p], av);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) {
+            __m512i t0 = acc0[r * NP + p], t1 = acc1[r * NP + p];
+            if (G == 16) {
+                t0 = _mm512_sub_epi32(t0, _mm512_set1_epi32(128 * a[r]->s16[0]));
+                t1 = _mm512_sub_epi32(t1, _mm512_set1_epi32(128 * a[r]->s16[1]));
+                std::memcpy(&s1[r * NP + p], &t1, 64);
+            } else {
+                t0 = _mm512_sub_epi32(t0, _mm512_set1_epi32(128 * (a[r]->s16[0] + a[r]->s16[1])));
+            }
+            std::memcpy(&s0[r * NP + p], &t0, 64);
+        }
+}
+#else
+constexpr int QNP = 1;
+template <int R, int NP>
+static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, v16i* s) {
+    for (int p = 0; p < NP; p++) {
+        v16i t[R];
+        dot_u4_1<R>(w + p * ps, a, t);
+        for (int r = 0; r < R; r++) s[r * NP + p] = t[r];
+    }
+}
+template <int R, int G, int NP>
+static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s0, v16i* s1) {
+    for (int p = 0; p < NP; p++) {
+        v16i t0[R], t1[R];
+        dot_s8_1<R, G>(w + p * ps, a, t0, t1);
+        for (int r = 0; r < R; r++) {
+            s0[r * NP + p] = t0[r];
+            if (G == 16) s1[r * NP + p] = t1[r];
+        }
+    }
+}
+#endif
+
 // ---- the float part: the same IEEE operations on every build ----
 
 enum Fmt { U4 = 0, S8 = 1, S8G16 = 2 };
@@ -261,57 +341,76 @@ static inline long record_bytes(int fmt, bool fp16) {
     return fmt == U4 ? 256 + 2 * sb : fmt == S8 ? 512 + sb : 512 + 2 * sb;
 }
 
-template <int FMT, int R>
-static void run_panel_tile(const uint8_t* W, int nb, bool fp16, const QA* const* rows, v16f* acc) {
+template <int FMT, int R, int NP>
+static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* const* rows, v16f* acc) {
     const long rb = record_bytes(FMT, fp16), sb = fp16 ? 32 : 64;
-    for (int r = 0; r < R; r++) acc[r] = v16f{};
+    for (int i = 0; i < R * NP; i++) acc[i] = v16f{};
     for (int b = 0; b < nb; b++) {
         const uint8_t* rec = W + (long)b * rb;
         const QA* a[R];
         for (int r = 0; r < R; r++) a[r] = rows[r] + b;
-        v16i s0[R], s1[R];
-        if (FMT == U4) {
-            dot_u4<R>(rec, a, s0);
-            const v16f d = load_scales(rec + 256, fp16), mn = load_scales(rec + 256 + sb, fp16);
-            for (int r = 0; r < R; r++) {
-                acc[r] = acc[r] + (d * a[r]->d) * __builtin_convertvector(s0[r], v16f);
-                acc[r] = acc[r] + mn * a[r]->xs;
-            }
-        } else if (FMT == S8) {
-            dot_s8<R, 32>(rec, a, s0, s1);
-            const v16f d = load_scales(rec + 512, fp16);
-            for (int r = 0; r < R; r++) acc[r] = acc[r] + (d * a[r]->d) * __builtin_convertvector(s0[r], v16f);
-        } else {
-            dot_s8<R, 16>(rec, a, s0, s1);
-            const v16f d0 = load_scales(rec + 512, fp16), d1 = load_scales(rec + 512 + sb, fp16);
-            for (int r = 0; r < R; r++) {
-                acc[r] = acc[r] + (d0 * a[r]->d) * __builtin_convertvector(s0[r], v16f);
-                acc[r] = acc[r] + (d1 * a[r]->d) * __builtin_convertvector(s1[r], v16f);
+        v16i s0[R * NP], s1[R * NP];
+        if (FMT == U4)
+            dot_u4<R, NP>(rec, ps, a, s0);
+        else
+            dot_s8<R, FMT == S8 ? 32 : 16, NP>(rec, ps, a, s0, s1);
+        for (int p = 0; p < NP; p++) {
+            const uint8_t* sc = rec + p * ps + (FMT == U4 ? 256 : 512);
+            if (FMT == U4) {
+                const v16f d = load_scales(sc, fp16), mn = load_scales(sc + sb, fp16);
+                for (int r = 0; r < R; r++) {
+                    v16f& x = acc[r * NP + p];
+                    x = x + (d * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
+                    x = x + mn * a[r]->xs;
+                }
+            } else if (FMT == S8) {
+                const v16f d = load_scales(sc, fp16);
+                for (int r = 0; r < R; r++)
+                    acc[r * NP + p] = acc[r * NP + p] + (d * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
+            } else {
+                const v16f d0 = load_scales(sc, fp16), d1 = load_scales(sc + sb, fp16);
+                for (int r = 0; r < R; r++) {
+                    v16f& x = acc[r * NP + p];
+                    x = x + (d0 * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
+                    x = x + (d1 * a[r]->d) * __builtin_convertvector(s1[r * NP + p], v16f);
+                }
             }
         }
     }
 }
 
-template <int FMT, typename TO>
-static void tile(int rows, const uint8_t* W, int nb, bool fp16, const QA* const* a, TO* out, long ldo, int cols) {
-    v16f acc[QMR];
+// rows x (NP panels) of output; cols: the columns of the last panel that exist (1..16)
+template <int FMT, int NP, typename TO>
+static void tile(int rows, const uint8_t* W, long ps, int nb, bool fp16, const QA* const* a, TO* out, long ldo, int cols) {
+    v16f acc[QMR * NP];
     switch (rows) {
-        case 1: run_panel_tile<FMT, 1>(W, nb, fp16, a, acc); break;
-        case 2: run_panel_tile<FMT, 2>(W, nb, fp16, a, acc); break;
-        case 3: run_panel_tile<FMT, 3>(W, nb, fp16, a, acc); break;
-        case 4: run_panel_tile<FMT, 4>(W, nb, fp16, a, acc); break;
-        case 5: run_panel_tile<FMT, 5>(W, nb, fp16, a, acc); break;
-        default: run_panel_tile<FMT, 6>(W, nb, fp16, a, acc); break;
+        case 1: run_panel_tile<FMT, 1, NP>(W, ps, nb, fp16, a, acc); break;
+        case 2: run_panel_tile<FMT, 2, NP>(W, ps, nb, fp16, a, acc); break;
+        case 3: run_panel_tile<FMT, 3, NP>(W, ps, nb, fp16, a, acc); break;
+        default: run_panel_tile<FMT, 4, NP>(W, ps, nb, fp16, a, acc); break;
     }
-    for (int r = 0; r < rows; r++) {
-        if (cols == 16) {
-            store16(out + r * ldo, acc[r]);
-        } else {
-            for (int j = 0; j < cols; j++) store(out + r * ldo, j, acc[r][j]);
+    const int R = rows < QMR ? rows : QMR;
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) {
+            TO* o = out + r * ldo + p * QP;
+            const v16f& x = acc[r * NP + p];
+            if (p < NP - 1 || cols == 16) {
+                store16(o, x);
+            } else {
+                for (int j = 0; j < cols; j++) store(o, j, x[j]);
+            }
         }
-    }
 }
-static_assert(QMR == 6, "tile's switch covers 1..QMR rows");
+static_assert(QMR == 4, "tile's switch covers 1..QMR rows");
+
+template <int FMT, typename TO>
+static void tiles(int np, int rows, const uint8_t* W, long ps, int nb, bool fp16, const QA* const* a, TO* out, long ldo,
+                  int cols) {
+    if (np == 2)
+        tile<FMT, 2>(rows, W, ps, nb, fp16, a, out, ldo, cols);
+    else
+        tile<FMT, 1>(rows, W, ps, nb, fp16, a, out, ldo, cols);
+}
 
 template <typename TA, typename TO>
 static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, TO* out, int M, int N, int K) {
@@ -325,21 +424,25 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
         for (int m = 0; m < M; m++) quantize_row(A + (long)m * lda, K, qa + (long)m * nb);
         for (int m0 = 0; m0 < M; m0 += QMC) {
             const int m1 = m0 + QMC < M ? m0 + QMC : M;
+            // QNP panels share each activation broadcast where rows are many; one stream is faster for
+            // a few rows (memory-bound). Either way an output's arithmetic is the same.
+            const int qnp = M >= 4 ? QNP : 1, groups = (panels + qnp - 1) / qnp;
 #pragma omp for schedule(static)
-            for (int p = 0; p < panels; p++) {
+            for (int g = 0; g < groups; g++) {
+                const int p = g * qnp, np = panels - p < qnp ? panels - p : qnp;
                 const uint8_t* wp = W + (long)p * panel_bytes;
-                const int cols = N - p * QP < QP ? N - p * QP : QP;
+                const int last = p + np - 1, cols = N - last * QP < QP ? N - last * QP : QP;
                 for (int m = m0; m < m1; m += QMR) {
                     const int rows = m1 - m < QMR ? m1 - m : QMR;
                     const QA* a[QMR];
                     for (int r = 0; r < rows; r++) a[r] = qa + (long)(m + r) * nb;
                     TO* o = out + (long)m * N + (long)p * QP;
                     if (fmt == U4)
-                        tile<U4>(rows, wp, nb, fp16, a, o, N, cols);
+                        tiles<U4>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                     else if (fmt == S8)
-                        tile<S8>(rows, wp, nb, fp16, a, o, N, cols);
+                        tiles<S8>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                     else
-                        tile<S8G16>(rows, wp, nb, fp16, a, o, N, cols);
+                        tiles<S8G16>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                 }
             }
         }
