@@ -234,3 +234,32 @@ def plan(qtypes: list[str]) -> list[tuple[int, bool, list[int]]]:
 
 def format_label(fmt: int, fp16: bool) -> str:
     return f"{FORMAT_NAMES[fmt]}/{'fp16' if fp16 else 'fp32'}"
+
+
+def dequantize_rows(packed: torch.Tensor, fmt: int, fp16: bool, ids: np.ndarray, k: int) -> np.ndarray:
+    """Rows `ids` of a packed (N, K) weight as float32 (N, K): the values the GGUF's own
+    dequantization gives (w = d q + mn with one rounding per operation, as gguf.quants does), read
+    from the records, so a tied embedding table and its head are one copy."""
+    nb, g = k // QK, (16 if fmt == S8G16 else QK)
+    rec = packed.numpy()  # (panels, nb, record)
+    p, j = ids // PANEL, ids % PANEL
+    r = rec[p]  # (n, nb, record)
+    sdt, sb = (np.float16, 32) if fp16 else (np.float32, 64)
+    lane = j[:, None, None, None] * 4 + np.arange(4)[None, None, None, :]  # (n, 1, 1, 4) byte offsets in a chunk
+    rows = np.arange(len(ids))[:, None, None, None]
+    blocks = np.arange(nb)[None, :, None, None]
+    if fmt == U4:
+        chunk = np.arange(4)[None, None, :, None] * 64
+        byte = r[rows, blocks, chunk + lane]  # (n, nb, 4 chunks, 4)
+        q = np.concatenate([byte & 0x0F, byte >> 4], axis=-1).astype(np.float32)  # (n, nb, 4, 8): k = 8c + i
+        scales = r[:, :, 256 : 256 + 2 * sb].copy().view(sdt).reshape(len(ids), nb, 2, PANEL)
+        d = scales[np.arange(len(ids)), :, 0, j].astype(np.float32)[:, :, None, None]
+        mn = scales[np.arange(len(ids)), :, 1, j].astype(np.float32)[:, :, None, None]
+        return (d * q + mn).reshape(len(ids), k)
+    chunk = np.arange(8)[None, None, :, None] * 64
+    q = (r[rows, blocks, chunk + lane].astype(np.int16) - 128).astype(np.float32)  # (n, nb, 8, 4): k = 4c + i
+    groups = QK // g
+    scales = r[:, :, 512 : 512 + groups * sb].copy().view(sdt).reshape(len(ids), nb, groups, PANEL)
+    d = scales[np.arange(len(ids)), :, :, j].astype(np.float32)  # (n, nb, groups)
+    d = np.repeat(d, 8 // groups, axis=2)[:, :, :, None]  # per chunk
+    return (d * q).reshape(len(ids), k)

@@ -8,6 +8,7 @@ Every failure a user can cause becomes ModelLoadError / UnsupportedModelError wi
 from __future__ import annotations
 
 import hashlib
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,16 @@ class LoadedGGUF:
     # SHA-256 over the file's bytes: part of every prefix-cache key (weights shape the KV values).
     fingerprint: str
     metadata: dict[str, object]
+    mapping: object = None  # the file's mmap (raw tensors are views of it)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages that reading touched (clean, file-backed: read again on use), so a
+        model whose weights were packed into their own memory holds one copy, not two."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self.mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
 
 
 def _field(reader, key: str, default=None):
@@ -210,7 +221,8 @@ def load_gguf(path: str | Path) -> LoadedGGUF:
             raw[name] = RawTensor(r.qtype, r.shape, np.ascontiguousarray(reverse_permute(r.data, heads)))
     metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
     types = {n: r.qtype for n, r in raw.items()}
-    return LoadedGGUF(path, hp, raw, DequantizedTensors(raw), types, file_fingerprint(path), metadata)
+    return LoadedGGUF(path, hp, raw, DequantizedTensors(raw), types, file_fingerprint(path), metadata,
+                      getattr(reader.data, "_mmap", None))
 
 
 def _check_shapes(shapes: dict[str, tuple[int, ...]], hp: LlamaHParams) -> None:

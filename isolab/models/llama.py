@@ -58,6 +58,21 @@ class Embedding:
         return torch.from_numpy(vals.reshape(len(rows), -1)).to(device=self.device, dtype=self.dtype)
 
 
+class PackedEmbedding:
+    """Token embeddings of a tied model read from the head's packed records (kernels/quant.py:
+    dequantize_rows gives the GGUF's own values): the table and the head are one copy."""
+
+    def __init__(self, head: QuantWeight, dtype: torch.dtype, device: torch.device) -> None:
+        assert head.packed is not None
+        self.head, self.dtype, self.device = head, dtype, device
+        self.k = head.packed.shape[1] * quant.QK
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D), a fresh tensor
+        h = self.head
+        vals = quant.dequantize_rows(h.packed, h.fmt, h.fp16, ids.cpu().numpy(), self.k)  # type: ignore[arg-type]
+        return torch.from_numpy(vals).to(device=self.device, dtype=self.dtype)
+
+
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor  # (D,)
@@ -201,8 +216,13 @@ class LlamaModel:
 
         # the head: logits in fp32 straight from the accumulators where it runs on the blocks
         self.lm_head = linear([head], torch.float32)
-        self.embed = Embedding(loaded.raw["token_embd.weight"], self.dtype, self.device) if weights == "native" \
-            else w("token_embd.weight")  # (V, D)
+        if weights == "native" and head == "token_embd.weight" and isinstance(self.lm_head, QuantWeight) \
+                and self.lm_head.packed is not None:  # tied: the table is read from the head's records
+            self.embed: Embedding | PackedEmbedding | torch.Tensor = PackedEmbedding(self.lm_head, self.dtype, self.device)
+        elif weights == "native":  # rows read from the mmapped file as they are asked for
+            self.embed = Embedding(loaded.raw["token_embd.weight"], self.dtype, self.device)
+        else:
+            self.embed = w("token_embd.weight")  # (V, D)
         self.final_norm = w("output_norm.weight")
         self.layers: list[Layer] = []
         for i in range(hp.num_layers):

@@ -154,3 +154,17 @@ def test_concat_promotes_scales_exactly():
     np.testing.assert_array_equal(c.dense(), np.concatenate([a.dense(), b.dense()]))
     with pytest.raises(ValueError):
         Q.concat([a, Q.random_unpacked(Q.U4, 16, 64, True)])
+
+
+@pytest.mark.parametrize("qtype", Q.NATIVE_TYPES)
+def test_rows_read_back_from_the_records_are_the_gguf_values(qtype):
+    """A tied embedding table is read from the head's records (models/llama.py: PackedEmbedding)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k = 40, 512
+    raw = _gguf_tensor(qtype, n, k, seed=7)
+    u = Q.unpack_gguf(raw, qtype, (n, k))
+    ids = np.array([0, 39, 17, 16, 15, 17])
+    rows = Q.dequantize_rows(Q.pack(u), u.fmt, u.d.dtype == np.float16, ids, k)
+    np.testing.assert_array_equal(rows, dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)[ids])
