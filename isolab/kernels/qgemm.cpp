@@ -342,8 +342,9 @@ static inline long record_bytes(int fmt, bool fp16) {
 }
 
 template <int FMT, int R, int NP>
-static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* const* rows, v16f* acc) {
+static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* const* rows, v16f* out) {
     const long rb = record_bytes(FMT, fp16), sb = fp16 ? 32 : 64;
+    v16f acc[R * NP];  // local, so the accumulators stay in registers across the blocks
     for (int i = 0; i < R * NP; i++) acc[i] = v16f{};
     for (int b = 0; b < nb; b++) {
         const uint8_t* rec = W + (long)b * rb;
@@ -377,6 +378,7 @@ static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const Q
             }
         }
     }
+    for (int i = 0; i < R * NP; i++) out[i] = acc[i];
 }
 
 // rows x (NP panels) of output; cols: the columns of the last panel that exist (1..16)
