@@ -7,6 +7,7 @@ Every failure a user can cause becomes ModelLoadError / UnsupportedModelError wi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
 from collections.abc import Mapping
@@ -17,8 +18,10 @@ import numpy as np
 
 from isolab.errors import ModelLoadError, UnsupportedModelError
 
-# Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout.
-SUPPORTED_ARCHITECTURES = ("llama",)
+# Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout, with what each
+# adds: qwen2 biases on q, k and v; qwen3 an RMSNorm on each head of q and k (models/llama.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaves q/k rows for these only (reverse_permute)
 
 # Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the
 # compute dtype; native weights (kernels/quant.py: NATIVE_TYPES) are packed from the raw blocks.
@@ -41,6 +44,9 @@ class LlamaHParams:
     rope_theta: float
     rms_eps: float
     context_length: int
+    arch: str = "llama"  # general.architecture
+    qkv_bias: bool = False  # q, k and v projections have biases (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -184,6 +190,7 @@ def read_hparams(reader) -> LlamaHParams:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(_field(reader, f"{arch}.context_length", 2048)),
+        arch=str(arch),
     )
 
 
@@ -214,8 +221,9 @@ def load_gguf(path: str | Path) -> LoadedGGUF:
         else:
             data = data.reshape(shape)
         raw[t.name] = RawTensor(qtype.name, shape, data)
+    hp = dataclasses.replace(hp, qkv_bias="blk.0.attn_q.bias" in raw, qk_norm="blk.0.attn_q_norm.weight" in raw)
     _check_shapes({n: r.shape for n, r in raw.items()}, hp)
-    for i in range(hp.num_layers):  # rows are whole blocks: permuting them works on the bytes
+    for i in range(hp.num_layers if hp.arch in PERMUTED_QK else 0):  # rows are whole blocks: permuting them works on the bytes
         for name, heads in ((f"blk.{i}.attn_q.weight", hp.num_heads), (f"blk.{i}.attn_k.weight", hp.num_kv_heads)):
             r = raw[name]
             raw[name] = RawTensor(r.qtype, r.shape, np.ascontiguousarray(reverse_permute(r.data, heads)))
@@ -241,9 +249,14 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], hp: LlamaHParams) -> None:
             p + "ffn_up.weight": (hp.intermediate_size, d),
             p + "ffn_down.weight": (d, hp.intermediate_size),
         })
+        if hp.qkv_bias:
+            expected.update({p + "attn_q.bias": (hp.num_heads * hp.head_dim,), p + "attn_k.bias": (kv,),
+                             p + "attn_v.bias": (kv,)})
+        if hp.qk_norm:
+            expected.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
     for name, shape in expected.items():
         if name not in shapes:
-            raise ModelLoadError(f"the GGUF file lacks tensor {name!r} that a llama model needs")
+            raise ModelLoadError(f"the GGUF file lacks tensor {name!r} that a {hp.arch} model needs")
         if tuple(shapes[name]) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(shapes[name])}, expected {shape}")
     if "output.weight" in shapes and tuple(shapes["output.weight"]) != (hp.vocab_size, d):

@@ -98,13 +98,14 @@ class QuantWeight:
     reference (a GPU, no compiler), which gives the same bits. Invariant by construction: the
     arithmetic of an output element is fixed by its row and the weight alone (qgemm.cpp)."""
 
-    __slots__ = ("n", "fmt", "fp16", "qtype", "packed", "ref", "out_dtype", "halves", "_run")
+    __slots__ = ("n", "fmt", "fp16", "qtype", "packed", "ref", "out_dtype", "big_batch", "_run")
     path = "quant"
 
     def __init__(self, u: quant.Unpacked, device: torch.device, native: bool,
                  out_dtype: torch.dtype | None = None, split_k: bool = False) -> None:
-        """split_k: FAULT batch-variant-gemm (as the dense split-k path): from M >= 8 rows, the
-        blocks are folded in two halves added at the end, another order than smaller M's."""
+        """split_k: FAULT batch-variant-gemm (the quantized twin of the dense split-k path): from M >= 8
+        rows a "faster path for big batches" multiplies dequantized weights instead, so a row's
+        bits change with the batch."""
         self.n = u.q.shape[0]
         self.fmt = u.fmt
         self.fp16 = u.d.dtype == np.float16
@@ -113,17 +114,8 @@ class QuantWeight:
         self.ref = None if native else quant.TorchUnpacked(u, device)
         self.out_dtype = out_dtype  # None: the input's dtype
         self._run = kernels.qgemm_bound(self.packed, u.fmt, self.fp16, self.n, out_dtype) if native else None
-        self.halves: tuple[int, QuantWeight, QuantWeight] | None = None  # (K cut, k < cut, k >= cut)
-        nb = u.q.shape[1] // quant.QK
-        if split_k and nb >= 2:
-            cut = nb // 2 * quant.QK
-
-            def part(lo: int, hi: int) -> QuantWeight:
-                mn = None if u.mn is None else u.mn[:, lo // quant.QK : hi // quant.QK]
-                piece = quant.Unpacked(u.fmt, u.q[:, lo:hi], u.d[:, lo // u.group : hi // u.group], mn, u.qtype)
-                return QuantWeight(piece, device, native, torch.float32)
-
-            self.halves = (cut, part(0, cut), part(cut, u.q.shape[1]))
+        # FAULT batch-variant-gemm: the dense (N, K) weights of the big-batch path
+        self.big_batch = torch.from_numpy(u.dense()).to(device) if split_k else None
 
     @property
     def nbytes(self) -> int:
@@ -135,9 +127,8 @@ class QuantWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T: (M, K) -> (M, N)."""
         out = self.out_dtype or x.dtype
-        if self.halves is not None and x.shape[0] >= 8:  # FAULT batch-variant-gemm
-            cut, lo, hi = self.halves
-            return (lo(x[:, :cut]) + hi(x[:, cut:])).to(out)
+        if self.big_batch is not None and x.shape[0] >= 8:  # FAULT batch-variant-gemm
+            return F.linear(x.float(), self.big_batch).to(out)
         if self._run is not None:
             return self._run(x if x.stride(1) == 1 else x.contiguous())
         assert self.ref is not None

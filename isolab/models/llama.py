@@ -81,6 +81,9 @@ class Layer:
     ffn_norm: torch.Tensor  # (D,)
     w_gate_up: Linear  # (2I, D): gate and up in one GEMM
     w_down: Linear  # (D, I)
+    qkv_bias: torch.Tensor | None = None  # (H*Dh + 2*Hkv*Dh,): qwen2
+    q_norm: torch.Tensor | None = None  # (Dh,): RMSNorm weight over each q head, before RoPE (qwen3)
+    k_norm: torch.Tensor | None = None  # (Dh,): the same for k
 
 
 class AttentionBackend(Protocol):
@@ -234,6 +237,9 @@ class LlamaModel:
                 ffn_norm=w(p + "ffn_norm.weight"),
                 w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
                 w_down=linear([p + "ffn_down.weight"]),
+                qkv_bias=torch.cat([w(p + f"attn_{x}.bias") for x in "qkv"]) if hp.qkv_bias else None,
+                q_norm=w(p + "attn_q_norm.weight") if hp.qk_norm else None,
+                k_norm=w(p + "attn_k_norm.weight") if hp.qk_norm else None,
             ))
         self._fused = self._fused_layers() if self.native_kernels and kernels.native_ready() else None
         inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
@@ -253,6 +259,22 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def _qkv_extras(self, L: Layer, qkv: torch.Tensor, N: int, native: bool) -> torch.Tensor:
+        """What a family adds between the qkv GEMM and RoPE: biases (qwen2), a per-head RMSNorm of q
+        and k (qwen3). Row by row, so batch-invariant like the rest; the llama layer returns qkv."""
+        if L.qkv_bias is not None:
+            qkv = qkv + L.qkv_bias  # added to the GEMM's rounded output (transformers adds it before rounding)
+        if L.q_norm is not None and L.k_norm is not None:
+            H, Hkv, Dh = self.hp.num_heads, self.hp.num_kv_heads, self.hp.head_dim
+            q = qkv[:, : H * Dh].reshape(N * H, Dh)
+            k = qkv[:, H * Dh : (H + Hkv) * Dh].reshape(N * Hkv, Dh)
+            if native:
+                q, k = kernels.rms_norm(q, L.q_norm, self.hp.rms_eps), kernels.rms_norm(k, L.k_norm, self.hp.rms_eps)
+            else:
+                q, k = self._rms_norm(q, L.q_norm), self._rms_norm(k, L.k_norm)
+            qkv = torch.cat([q.view(N, H * Dh), k.view(N, Hkv * Dh), qkv[:, (H + Hkv) * Dh :]], dim=1)
+        return qkv
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
@@ -266,7 +288,7 @@ class LlamaModel:
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, L in enumerate(self.layers):
             h = self._rms_norm(x, L.attn_norm)
-            qkv = L.wqkv(h)  # (N, (H + 2 Hkv) Dh)
+            qkv = self._qkv_extras(L, L.wqkv(h), N, native=False)  # (N, (H + 2 Hkv) Dh)
             qk = self._rope(qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh), cos, sin)  # q and k in one pass
             v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
             o = attn.attend(i, qk[:, :H], qk[:, H:], v)  # (N, H, Dh)
@@ -280,13 +302,15 @@ class LlamaModel:
         """forward.cpp's layer table, where every linear layer runs on a native GEMM (qgemm or the
         dense isolab GEMM) as plain x @ W.T; None otherwise (a StackedWeight, the split-k fault)."""
         def desc(w: Linear) -> kernels.FusedLinear | None:
-            if isinstance(w, QuantWeight) and w.packed is not None and w.halves is None and w.out_dtype is None:
+            if isinstance(w, QuantWeight) and w.packed is not None and w.big_batch is None and w.out_dtype is None:
                 return kernels.FusedLinear(w.packed.data_ptr(), 1, w.fmt, int(w.fp16), w.n, w.packed.shape[1] * quant.QK)
             if isinstance(w, Weight) and w.path == "isolab":
                 k = w.data.shape[1] * (2 if w.data.dtype == torch.bfloat16 else 1)
                 return kernels.FusedLinear(w.data.data_ptr(), 0, 0, 0, w.n, k)
             return None
 
+        if self.hp.qkv_bias or self.hp.qk_norm:  # forward.cpp runs the plain llama layer only
+            return None
         table = (kernels.FusedLayer * len(self.layers))()
         for i, L in enumerate(self.layers):
             parts = [desc(w) for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
@@ -313,7 +337,7 @@ class LlamaModel:
                                    ((H + 2 * Hkv) * Dh, hp.intermediate_size))
             return h
         for i, L in enumerate(self.layers):
-            qkv = L.wqkv(h)  # (N, (H + 2 Hkv) Dh)
+            qkv = self._qkv_extras(L, L.wqkv(h), N, native=True)  # (N, (H + 2 Hkv) Dh)
             kernels.rope_(qkv, self.rope_cos, self.rope_sin, positions, H + Hkv, Dh)  # q and k
             q = qkv[:, : H * Dh].view(N, H, Dh)
             k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)

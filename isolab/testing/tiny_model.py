@@ -53,6 +53,81 @@ def tiny_vocab() -> list[str]:
     return toks
 
 
+def _write_tokenizer(w) -> None:
+    """The byte-level BPE tokenizer and ChatML template, as GGUF metadata."""
+    vocab = tiny_vocab()
+    w.add_vocab_size(len(vocab))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+# transformers' Llama-style decoder (Qwen2, Qwen3) -> llama.cpp's tensor names
+HF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_hf_decoder(path: str | Path, model, arch: str, qtype: str = "F32") -> Path:
+    """A transformers Qwen2/Qwen3 (or any Llama-style) model written as llama.cpp's converter lays it
+    out (no q/k row permutation for qwen), with the tiny tokenizer: for tests that compare isolab
+    with transformers on families no small real GGUF of which is on PyPI. Matrices in `qtype`."""
+    import gguf
+    from gguf.quants import quantize
+
+    path = Path(path)
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _write_tokenizer(w)
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    for name, t in model.state_dict().items():
+        data = t.detach().float().numpy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        elif name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)  # model.layers.I.self_attn.q_proj.weight
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{HF_NAMES[module]}.{kind}"
+        if data.ndim == 2 and qtype != "F32":
+            q = quantize(data, qt)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qt)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     import gguf
     from gguf.quants import quantize
@@ -73,17 +148,7 @@ def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(V)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (V - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    _write_tokenizer(w)
 
     qtype = getattr(gguf.GGMLQuantizationType, spec.qtype)
 
