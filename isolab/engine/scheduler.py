@@ -38,6 +38,7 @@ class Scheduler:
     kv: KVCacheManager
     eos_token_id: int | None
     max_model_len: int
+    end_of_turn: frozenset[int] = frozenset()  # tokens that stop a request like EOS (Tokenizer.end_of_turn_ids)
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
@@ -139,7 +140,7 @@ class Scheduler:
             text, new_len = det.text + det.pending, len(new) + len(det.pending)
         decision = check_stop(
             req.params, token, num_output_tokens=len(req.output_token_ids), num_tokens=req.num_tokens,
-            eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, text=text, new_text_len=new_len,
+            eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, end_of_turn=self.end_of_turn, text=text, new_text_len=new_len,
             grammar_done=grammar_done,
         )
         if decision is None:

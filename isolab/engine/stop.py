@@ -50,6 +50,7 @@ def check_stop(
     num_tokens: int,
     eos_token_id: int | None,
     max_model_len: int,
+    end_of_turn: frozenset[int] = frozenset(),
     text: str = "",
     new_text_len: int = 0,
     grammar_done: bool = False,
@@ -61,7 +62,7 @@ def check_stop(
     if num_output_tokens < params.min_tokens:
         full = num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
         return StopDecision(RequestStatus.FINISHED_LENGTH, None) if full else None
-    if not params.ignore_eos and token == eos_token_id:
+    if not params.ignore_eos and (token == eos_token_id or token in end_of_turn):
         return StopDecision(RequestStatus.FINISHED_STOPPED, None)
     if token in params.stop_token_ids:
         return StopDecision(RequestStatus.FINISHED_STOPPED, token)

@@ -111,7 +111,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     signatures = {
         "paged_attention": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32,
-                            f32],
+                            f32, i32],
         "rms_norm": [ptr, ptr, ptr, i32, i32, f32],
         "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
         "silu_mul": [ptr, ptr, i32, i32],
@@ -232,6 +232,7 @@ def paged_attention(
     q_pos: torch.Tensor,  # (N,) int32: row n attends to keys 0..q_pos[n], all inside its table
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v (N, Hkv, Dh), slots (N,) int64
+    window: int = 0,  # > 0: row n sees only keys q_pos[n] - window + 1 .. q_pos[n] (a sliding window)
 ) -> torch.Tensor:  # (N, H, Dh)
     """Write this step's K/V (if given) into the pool, then attend: one native call.
 
@@ -251,7 +252,7 @@ def paged_attention(
     out = torch.empty(N, H, Dh, dtype=q.dtype, device=q.device)
     _fn("paged_attention", q.dtype)(q.data_ptr(), k_ptr, v_ptr, q.stride(0), slots_ptr, kv[0].data_ptr(),
                                     kv[1].data_ptr(), tables.data_ptr(), tables.shape[1], row_table.data_ptr(),
-                                    q_pos.data_ptr(), out.data_ptr(), N, H, hkv, nb, bs, Dh, scale)
+                                    q_pos.data_ptr(), out.data_ptr(), N, H, hkv, nb, bs, Dh, scale, window)
     return out
 
 

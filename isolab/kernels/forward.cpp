@@ -20,11 +20,11 @@ void isolab_rope_fp32(float* qkv, const float* c, const float* s, const int64_t*
 void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, long qs,
                                  const int64_t* slots, uint16_t* k, uint16_t* v, const int32_t* tables, int table_len,
                                  const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N, int H, int Hkv,
-                                 long NB, int bs, int Dh, float scale);
+                                 long NB, int bs, int Dh, float scale, int window);
 void isolab_paged_attention_fp32(const float* q, const float* k_new, const float* v_new, long qs,
                                  const int64_t* slots, float* k, float* v, const int32_t* tables, int table_len,
                                  const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H, int Hkv,
-                                 long NB, int bs, int Dh, float scale);
+                                 long NB, int bs, int Dh, float scale, int window);
 }
 
 namespace {
@@ -59,12 +59,12 @@ inline void dense(const float* a, const Linear& l, float* o, int M) { isolab_gem
 inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, long qs, const int64_t* slots, void* kp,
                    void* vp, const int32_t* t, int tl, const int32_t* rt, const int32_t* qp, uint16_t* o, int N, int H,
                    int Hkv, long NB, int bs, int Dh, float sc) {
-    isolab_paged_attention_bf16(q, k, v, qs, slots, (uint16_t*)kp, (uint16_t*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc);
+    isolab_paged_attention_bf16(q, k, v, qs, slots, (uint16_t*)kp, (uint16_t*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
 }
 inline void attend(const float* q, const float* k, const float* v, long qs, const int64_t* slots, void* kp, void* vp,
                    const int32_t* t, int tl, const int32_t* rt, const int32_t* qp, float* o, int N, int H, int Hkv,
                    long NB, int bs, int Dh, float sc) {
-    isolab_paged_attention_fp32(q, k, v, qs, slots, (float*)kp, (float*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc);
+    isolab_paged_attention_fp32(q, k, v, qs, slots, (float*)kp, (float*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
 }
 
 template <typename T>

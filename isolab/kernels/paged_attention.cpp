@@ -13,6 +13,7 @@
 //   bf16 with AVX512-BF16 (no AMX): dot products on the paired layouts, a row at a time;
 //   bf16 with AMX tiles: a unit of consecutive rows of one table per task (a prompt chunk), its
 //   (row, head) queries the rows of one tile; every bf16 row on that CPU takes it, decode rows too.
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -29,8 +30,14 @@ static inline long vidx(const uint16_t*, int j, int d, int Dh) { return ((long)(
 // Softmax of one head's scores s[0..L) in place, unnormalized: s[k] = exp(s[k] - max); returns
 // the sum. Lanes L..Lpad are filled with a visible score and never summed. The sum is 16 lane
 // partials in index order, then the lanes in order: fixed by L alone.
+// A sliding window (Gemma's local layers): keys before the row's window start score -inf, so they
+// get probability exactly 0 (and add exact zeros); set per task by attend_all, read only here.
+static thread_local int window_start = 0;
+
 static inline float softmax_row(float* s, int L, int Lpad) {
-    for (int k = L; k < Lpad; k++) s[k] = s[0];
+    const int start = window_start < L ? window_start : 0;
+    for (int k = 0; k < start; k++) s[k] = -INFINITY;
+    for (int k = L; k < Lpad; k++) s[k] = s[start];
     v16f mv = load16(s);
     for (int k = 16; k < Lpad; k += 16) {
         const v16f x = load16(s + k);
@@ -482,12 +489,14 @@ static void attend_units_amx(const T* q, long qs, const T* kplane, const T* vpla
 template <typename T>
 static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, T* kplane,
                        T* vplane, const int32_t* tables, int table_len, const int32_t* row_table,
-                       const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB, int bs, int Dh, float scale) {
+                       const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB, int bs, int Dh, float scale,
+                       int window) {
     const int G = H / Hkv;
     int max_len = 0;
     for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
     const int Lpad = ((max_len + bs - 1) / bs * bs + 15) / 16 * 16;
-    const bool amx = sizeof(T) == 2 && fast_paths && bs == 16 && Dh == 64 && G <= 16 && amx_ready();
+    // (a windowed call never takes the tiles: every call of a layer takes one path, so a row's bits stay its own)
+    const bool amx = sizeof(T) == 2 && fast_paths && bs == 16 && Dh == 64 && G <= 16 && window == 0 && amx_ready();
     std::vector<int> units;  // AMX: (first row, rows) of each unit, consecutive rows of one table
     if (amx)
         for (int n = 0; n < N;) {
@@ -530,6 +539,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
+            window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
                 continue;
             if (bs == 16)
@@ -538,6 +548,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
         }
         std::free(sc);
+        window_start = 0;
         }
     }
 }
@@ -556,15 +567,15 @@ const char* isolab_attention_isa() {
 void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, long qs,
                                  const int64_t* slots, uint16_t* k, uint16_t* v, const int32_t* tables,
                                  int table_len, const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N,
-                                 int H, int Hkv, long NB, int bs, int Dh, float scale) {
+                                 int H, int Hkv, long NB, int bs, int Dh, float scale, int window) {
     attend_all<uint16_t>(q, k_new, v_new, qs, slots, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
-                         bs, Dh, scale);
+                         bs, Dh, scale, window);
 }
 void isolab_paged_attention_fp32(const float* q, const float* k_new, const float* v_new, long qs,
                                  const int64_t* slots, float* k, float* v, const int32_t* tables, int table_len,
                                  const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H, int Hkv,
-                                 long NB, int bs, int Dh, float scale) {
+                                 long NB, int bs, int Dh, float scale, int window) {
     attend_all<float>(q, k_new, v_new, qs, slots, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
-                      bs, Dh, scale);
+                      bs, Dh, scale, window);
 }
 }

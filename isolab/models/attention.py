@@ -26,6 +26,7 @@ def attention_core(
     q_pos: torch.Tensor,  # (B, T) absolute position of each query; key j is visible iff j <= q_pos
     scale: float,
     hidden: torch.Tensor | None = None,  # (B, T, S) precomputed causal_hidden(q_pos, S), optional
+    window: int = 0,  # > 0: a query also does not see keys window or more positions back (sliding window)
 ) -> torch.Tensor:  # (B, T, H, Dh)
     B, T, H, Dh = q.shape
     Hkv, S = k.shape[0], k.shape[2]
@@ -44,6 +45,8 @@ def attention_core(
     if hidden is None:
         hidden = causal_hidden(q_pos, S)
     # The causal mask is an isolation boundary (claim C9): no query sees a later position.
+    if window > 0:
+        hidden = hidden | (torch.arange(S, device=q_pos.device).view(1, 1, S) <= q_pos.unsqueeze(-1) - window)
     scores.masked_fill_(hidden.view(1, B, 1, T, S), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(Hkv, B, G * T, S)
     out = torch.matmul(probs, v)  # (Hkv, B, G*T, Dh)

@@ -44,6 +44,12 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def family_template(arch: str) -> str | None:
+    """A family's chat template (models/templates/ARCH.jinja), for GGUFs that carry none."""
+    path = Path(__file__).with_name("templates") / f"{arch}.jinja"
+    return path.read_text() if path.exists() else None
+
+
 def _trim_heap() -> None:
     """Hand the packing's freed temporaries back to the OS (glibc keeps them on its heap otherwise:
     40 MB of idle RSS on the default model)."""
@@ -67,7 +73,7 @@ def _load(path: str, dtype: str, device: str, gemm: GemmPath | None, weights: st
     model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm, weights=weights)
     loaded.release_pages()  # the weights now live in the model's own memory
     _trim_heap()
-    tokenizer = Tokenizer(Path(path), loaded.fingerprint)
+    tokenizer = Tokenizer(Path(path), loaded.fingerprint, family_template(loaded.hparams.arch))
     name = str(loaded.metadata.get("general.name") or Path(path).stem)
     return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype, weights)
 

@@ -20,7 +20,7 @@ from isolab.errors import ModelLoadError, UnsupportedModelError
 
 # Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout, with what each
 # adds: qwen2 biases on q, k and v; qwen3 an RMSNorm on each head of q and k (models/llama.py).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaves q/k rows for these only (reverse_permute)
 
 # Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the
@@ -46,7 +46,18 @@ class LlamaHParams:
     context_length: int
     arch: str = "llama"  # general.architecture
     qkv_bias: bool = False  # q, k and v projections have biases (qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (qwen3, gemma3)
+    # gemma3: embeddings scaled by sqrt(D); RMSNorm x * w in fp32 (the file's w is HF's 1 + w); norms
+    # after attention and the MLP too; GELU-tanh; every `global_every`-th layer global, the others
+    # local: a sliding window of `sliding_window` keys and RoPE base `rope_theta_local`
+    gemma: bool = False
+    sliding_window: int = 0
+    global_every: int = 0
+    rope_theta_local: float = 10000.0
+
+    def is_local(self, layer: int) -> bool:
+        """Whether a layer attends over a sliding window (gemma3's 5 of every 6)."""
+        return self.sliding_window > 0 and (layer + 1) % self.global_every != 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -191,6 +202,9 @@ def read_hparams(reader) -> LlamaHParams:
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(_field(reader, f"{arch}.context_length", 2048)),
         arch=str(arch),
+        gemma=arch == "gemma3",
+        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0) if arch == "gemma3" else 0,
+        global_every=6 if arch == "gemma3" else 0,  # llama.cpp's gemma3 pattern: layers 5, 11, 17, ... are global
     )
 
 
@@ -254,6 +268,8 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], hp: LlamaHParams) -> None:
                              p + "attn_v.bias": (kv,)})
         if hp.qk_norm:
             expected.update({p + "attn_q_norm.weight": (hp.head_dim,), p + "attn_k_norm.weight": (hp.head_dim,)})
+        if hp.gemma:
+            expected.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     for name, shape in expected.items():
         if name not in shapes:
             raise ModelLoadError(f"the GGUF file lacks tensor {name!r} that a {hp.arch} model needs")

@@ -84,11 +84,14 @@ class Layer:
     qkv_bias: torch.Tensor | None = None  # (H*Dh + 2*Hkv*Dh,): qwen2
     q_norm: torch.Tensor | None = None  # (Dh,): RMSNorm weight over each q head, before RoPE (qwen3)
     k_norm: torch.Tensor | None = None  # (Dh,): the same for k
+    post_attn_norm: torch.Tensor | None = None  # (D,) gemma3: RMSNorm of the attention output, fp32 weights
+    post_ffn_norm: torch.Tensor | None = None  # (D,) gemma3: RMSNorm of the MLP output
 
 
 class AttentionBackend(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v (N, Hkv, Dh) of this step's N tokens; return attention of q (N, H, Dh) -> (N, H, Dh)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """Store k, v (N, Hkv, Dh) of this step's N tokens; return attention of q (N, H, Dh) -> (N, H, Dh).
+        window > 0: each query sees only its last `window` positions (a local layer)."""
         ...
 
     def fused(self) -> FusedAttention | None:
@@ -140,19 +143,19 @@ class DenseKV:
         return FusedAttention(*self.pointers, self.table, torch.zeros_like(pos), pos, self.q_pos.to(torch.int64),
                               self.pool[0].shape[2], self.pool[0].shape[3], self.scale)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         assert self.q_pos is not None
         if self.native:
             pos = self.q_pos.to(torch.int32)
             return kernels.paged_attention(q, self.pool[layer], self.table, torch.zeros_like(pos), pos, self.scale,
-                                           new_kv=(k, v, self.q_pos))
+                                           new_kv=(k, v, self.q_pos), window=window)
         old_k, old_v = self.k[layer], self.v[layer]
         new_k = k if old_k is None else torch.cat([old_k, k])
         new_v = v if old_v is None else torch.cat([old_v, v])
         self.k[layer], self.v[layer] = new_k, new_v
         kk = new_k.transpose(0, 1).unsqueeze(1)  # (Hkv, 1, S, Dh)
         vv = new_v.transpose(0, 1).unsqueeze(1)
-        out = attention_core(q[None], kk, vv, self.q_pos[None], self.scale)
+        out = attention_core(q[None], kk, vv, self.q_pos[None], self.scale, window=window)
         return out[0]
 
 
@@ -205,7 +208,12 @@ class LlamaModel:
         path: GemmPath = self.numerics.gemm_path  # type: ignore[assignment]
 
         def w(name: str) -> torch.Tensor:
+            if hp.gemma and name.endswith("norm.weight"):  # gemma multiplies by its norm weights in fp32
+                return wf(name)
             return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device, dtype=self.dtype)
+
+        def wf(name: str) -> torch.Tensor:
+            return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device)
 
         def linear(names: list[str], out_dtype: torch.dtype | None = None) -> Weight | QuantWeight | StackedWeight:
             if not _native_format(loaded, names) or weights != "native":
@@ -240,6 +248,8 @@ class LlamaModel:
                 qkv_bias=torch.cat([w(p + f"attn_{x}.bias") for x in "qkv"]) if hp.qkv_bias else None,
                 q_norm=w(p + "attn_q_norm.weight") if hp.qk_norm else None,
                 k_norm=w(p + "attn_k_norm.weight") if hp.qk_norm else None,
+                post_attn_norm=wf(p + "post_attention_norm.weight") if hp.gemma else None,
+                post_ffn_norm=wf(p + "post_ffw_norm.weight") if hp.gemma else None,
             ))
         self._fused = self._fused_layers() if self.native_kernels and kernels.native_ready() else None
         inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
@@ -248,6 +258,12 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, Dh)
         self.rope_cos = emb.cos().to(self.device, self.dtype)
         self.rope_sin = emb.sin().to(self.device, self.dtype)
+        if hp.gemma:  # local layers: their own RoPE base; embeddings scaled by sqrt(D), rounded as transformers does
+            local = 1.0 / (hp.rope_theta_local ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
+            emb = torch.cat([torch.outer(pos, local)] * 2, dim=-1)
+            self.rope_cos_local = emb.cos().to(self.device, self.dtype)
+            self.rope_sin_local = emb.sin().to(self.device, self.dtype)
+            self.embed_scale = torch.tensor(hp.hidden_size ** 0.5, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -258,6 +274,39 @@ class LlamaModel:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * w all in fp32, rounded once (w: the file's 1 + w)."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.hp.rms_eps) * weight).to(x.dtype)
+
+    def _forward_gemma(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Gemma 3's layer: scaled embeddings, norms before and after attention and the MLP, per-head
+        q/k norms, GELU-tanh, local (sliding-window, own RoPE base) and global layers. Row-wise torch
+        ops between the native GEMMs and attention, so a row's bits are its own."""
+        hp = self.hp
+        N = token_ids.shape[0]
+        H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
+        x = self.embed[token_ids] * self.embed_scale  # (N, D)
+        for i, L in enumerate(self.layers):
+            local = hp.is_local(i)
+            cos, sin = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
+            qkv = L.wqkv(self._gemma_norm(x, L.attn_norm))  # (N, (H + 2 Hkv) Dh)
+            q = self._gemma_norm(qkv[:, : H * Dh].reshape(N, H * Dh // Dh, Dh), L.q_norm)  # type: ignore[arg-type]
+            k = self._gemma_norm(qkv[:, H * Dh : (H + Hkv) * Dh].reshape(N, Hkv, Dh), L.k_norm)  # type: ignore[arg-type]
+            qkv = torch.cat([q.view(N, -1), k.view(N, -1), qkv[:, (H + Hkv) * Dh :]], dim=1)  # (N, W), normed
+            if self.native_kernels:
+                kernels.rope_(qkv, cos, sin, positions, H + Hkv, Dh)  # q and k in place
+                qk = qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh)
+            else:
+                qk = self._rope(qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh), cos[positions].unsqueeze(1),
+                                sin[positions].unsqueeze(1))
+            v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
+            o = attn.attend(i, qk[:, :H], qk[:, H:], v, window=hp.sliding_window if local else 0)  # (N, H, Dh)
+            x = x + self._gemma_norm(L.wo(o.reshape(N, H * Dh)), L.post_attn_norm)  # type: ignore[arg-type]
+            gate, up = L.w_gate_up(self._gemma_norm(x, L.ffn_norm)).chunk(2, dim=-1)
+            x = x + self._gemma_norm(L.w_down(F.gelu(gate, approximate="tanh") * up), L.post_ffn_norm)  # type: ignore[arg-type]
+        return self._gemma_norm(x, self.final_norm)
 
     def _qkv_extras(self, L: Layer, qkv: torch.Tensor, N: int, native: bool) -> torch.Tensor:
         """What a family adds between the qkv GEMM and RoPE: biases (qwen2), a per-head RMSNorm of q
@@ -278,6 +327,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
+        if self.hp.gemma:
+            return self._forward_gemma(token_ids, positions, attn)
         if self.native_kernels:
             return self._forward_native(token_ids, positions, attn)
         hp = self.hp
@@ -309,7 +360,7 @@ class LlamaModel:
                 return kernels.FusedLinear(w.data.data_ptr(), 0, 0, 0, w.n, k)
             return None
 
-        if self.hp.qkv_bias or self.hp.qk_norm:  # forward.cpp runs the plain llama layer only
+        if self.hp.qkv_bias or self.hp.qk_norm or self.hp.gemma:  # forward.cpp runs the plain llama layer only
             return None
         table = (kernels.FusedLayer * len(self.layers))()
         for i, L in enumerate(self.layers):

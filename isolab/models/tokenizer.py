@@ -21,6 +21,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 Message = dict[str, str]
 
 
+END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
+
+
 def _cache_dir(fingerprint: str) -> Path:
     root = Path(os.environ.get("ISOLAB_CACHE", Path.home() / ".cache" / "isolab"))
     return root / "tokenizers" / fingerprint[:32]
@@ -29,7 +32,9 @@ def _cache_dir(fingerprint: str) -> Path:
 class Tokenizer:
     """A thin, typed wrapper over a transformers tokenizer built from a GGUF file."""
 
-    def __init__(self, gguf_path: Path, fingerprint: str) -> None:
+    def __init__(self, gguf_path: Path, fingerprint: str, default_template: str | None = None) -> None:
+        """default_template: the chat template to use when the GGUF carries none (a family's own:
+        models/templates/, e.g. Gemma 3's, which some GGUFs leave out)."""
         from transformers import AutoTokenizer
 
         cached = _cache_dir(fingerprint)
@@ -44,7 +49,13 @@ class Tokenizer:
                     pass  # a read-only home only costs the next start a conversion
         except Exception as exc:
             raise ModelLoadError(f"the tokenizer in {str(gguf_path)!r} could not be built ({exc})") from exc
+        if default_template and not getattr(self._tok, "chat_template", None):
+            self._tok.chat_template = default_template
         self.eos_token_id: int | None = self._tok.eos_token_id
+        # tokens that end a chat turn besides EOS (Gemma's <end_of_turn>): the engine stops on them too,
+        # as transformers' generation configs list them beside EOS
+        vocab = self._tok.get_vocab()
+        self.end_of_turn_ids = frozenset(vocab[t] for t in END_OF_TURN if t in vocab and vocab[t] != self.eos_token_id)
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
 
