@@ -46,7 +46,7 @@ def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
     return [r.randrange(200, min(vocab, 40000)) for _ in range(n)]  # ordinary tokens, no specials
 
 
-def worker_isolab(weights: str, threads: int) -> dict:
+def worker_isolab(weights: str, threads: int, model: str | None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -54,7 +54,7 @@ def worker_isolab(weights: str, threads: int) -> dict:
     from isolab.engine.llm_engine import LLMEngine
     from isolab.sampling_params import SamplingParams
 
-    eng = LLMEngine(build_engine_config(weights=weights, max_num_seqs=4, kv_cache_memory=256 << 20,
+    eng = LLMEngine(build_engine_config(model=model, weights=weights, max_num_seqs=4, kv_cache_memory=256 << 20,
                                         max_num_batched_tokens=1024))
     idle = rss_mib()
     vocab = eng.bundle.hparams.vocab_size
@@ -170,19 +170,21 @@ def main() -> int:
     p.add_argument("--json", default="bench/results/single_stream.json")
     p.add_argument("--worker", choices=("isolab-native", "isolab-dense", "llama"), help=argparse.SUPPRESS)
     p.add_argument("--skip-servers", action="store_true", help="only the engines, not the servers' idle RSS")
+    p.add_argument("--model", default=None, help="a model name (gemma3-270m) or GGUF path (default: SmolLM2-135M)")
     args = p.parse_args()
-    from isolab.models.locate import default_model_path
+    from isolab.models.locate import resolve_model_path
 
-    gguf = str(default_model_path())
+    gguf = str(resolve_model_path(args.model))
     if args.worker:
         res = worker_llama(gguf, args.threads) if args.worker == "llama" else \
-            worker_isolab(args.worker.split("-")[1], args.threads)
+            worker_isolab(args.worker.split("-")[1], args.threads, gguf)
         print(json.dumps(res))
         return 0
     have_llama = importlib.util.find_spec("llama_cpp") is not None
     rows = []
     for w in ("isolab-native", "isolab-dense", *(["llama"] if have_llama else [])):
-        out = subprocess.run([sys.executable, __file__, "--worker", w, "--threads", str(args.threads)],
+        out = subprocess.run([sys.executable, __file__, "--worker", w, "--threads", str(args.threads),
+                              *(["--model", args.model] if args.model else [])],
                              capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
@@ -195,7 +197,8 @@ def main() -> int:
                     "(.venv/bin/pip install 'llama-cpp-python[server]==0.3.36' builds it in about 5 minutes)"}
     if not args.skip_servers:
         port = free_port()
-        servers = {"isolab serve": server_idle_rss([str(Path(sys.executable).parent / "isolab"), "serve", "--no-auth", "--port", str(port)],
+        servers = {"isolab serve": server_idle_rss([str(Path(sys.executable).parent / "isolab"), "serve", "--no-auth",
+                                                    "--port", str(port), "--model", gguf],
                                                    port, "/health")}
         if have_llama:
             port = free_port()

@@ -22,7 +22,8 @@ def parse_memory(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a Llama-architecture GGUF (default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--model", default=None, help="a GGUF path (Llama, Qwen2/3, Gemma 3) or a name: gemma3-270m "
+                   "(default: SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activations and K/V (bf16)")
     g.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="native: multiply on the GGUF's quantized blocks (isolab/kernels/qgemm.cpp); dense: "
