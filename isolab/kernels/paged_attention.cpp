@@ -30,8 +30,9 @@ static inline long vidx(const uint16_t*, int j, int d, int Dh) { return ((long)(
 // Softmax of one head's scores s[0..L) in place, unnormalized: s[k] = exp(s[k] - max); returns
 // the sum. Lanes L..Lpad are filled with a visible score and never summed. The sum is 16 lane
 // partials in index order, then the lanes in order: fixed by L alone.
-// A sliding window (Gemma's local layers): keys before the row's window start score -inf, so they
-// get probability exactly 0 (and add exact zeros); set per task by attend_all, read only here.
+// A sliding window (Gemma's local layers): keys before the row's window start get probability
+// exactly 0 and add exact zeros, so a kernel may skip them (attend_row does) without changing a bit;
+// set per task by attend_all, read by softmax_row and attend_row.
 static thread_local int window_start = 0;
 
 static inline float softmax_row(float* s, int L, int Lpad) {
@@ -48,7 +49,8 @@ static inline float softmax_row(float* s, int L, int Lpad) {
     const int full = L / 16 * 16;
     v16f acc = v16f{};
     for (int k = 0; k < Lpad; k += 16) {
-        const v16f x = vexp(load16(s + k) - m);
+        v16f x = vexp(load16(s + k) - m);
+        for (int l = 0; k + l < start && l < 16; l++) x[l] = 0.0f;  // exact zeros (vexp bottoms out at e^-87)
         std::memcpy(s + k, &x, 64);
         if (k < full) acc += x;
     }
@@ -63,11 +65,12 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
                        int bs_rt, int Dh, int G, int h, float scale, T* out, float* sc, int Lpad) {
     const int bs = BS ? BS : bs_rt;
     const int nblk = (L + bs - 1) / bs;
+    const int start = window_start < L ? window_start : 0;  // keys before it weigh exactly 0: skipped
     float qf[8 * 256];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < Dh; d++) qf[g * Dh + d] = load(q, (long)g * Dh + d);
     // scores: s = (q . k) * scale, 16 keys at a time from the transposed K block
-    for (int i = 0; i < nblk; i++) {
+    for (int i = start / bs; i < nblk; i++) {
         const long blk = table[i];
         const T* kb = kplane + ((long)h * NB + blk) * Dh * bs;
         for (int g = 0; g < G; g++) {
@@ -87,7 +90,7 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
         const float sum = softmax_row(s, L, Lpad);
         float acc[256];
         for (int d = 0; d < Dh; d++) acc[d] = 0.0f;
-        for (int k = 0; k < L; k++) {
+        for (int k = start; k < L; k++) {
             const T* vb = vplane + ((long)h * NB + table[k / bs]) * bs * Dh;
             const float p = s[k];
             for (int d = 0; d < Dh; d++) acc[d] += p * load(vb, vidx(vb, k % bs, d, Dh));
