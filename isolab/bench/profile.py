@@ -31,7 +31,7 @@ from isolab.engine.model_runner import ModelRunner, PagedAttention
 from isolab.engine.scheduler import Scheduler
 from isolab.models.linear import QuantWeight, Weight
 
-ROW_OPS = ("rms_norm", "add_rms_norm_", "silu_mul", "rope_")
+ROW_OPS = ("rms_norm", "rms_norm_gemma", "add_rms_norm_", "silu_mul", "rope_")
 TOP_PHASES = ("schedule", "prepare", "attention", "row_ops", "sample", "update")
 
 

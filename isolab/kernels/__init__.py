@@ -113,6 +113,7 @@ def _library() -> ctypes.CDLL | None:
         "paged_attention": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32,
                             f32, i32],
         "rms_norm": [ptr, ptr, ptr, i32, i32, f32],
+        "rms_norm_gemma": [ptr, ptr, ptr, i32, i32, f32],
         "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
         "silu_mul": [ptr, ptr, i32, i32],
         "rope": [ptr, ptr, ptr, ptr, i32, i32, i32, i32],
@@ -261,6 +262,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert x.is_contiguous() and x.dtype == weight.dtype
     out = torch.empty_like(x)
     _fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N, D) -> (N, D): round(x * rsqrt(mean(x^2) + eps) * weight) in fp32; weight fp32 (Gemma's 1 + w)."""
+    assert x.is_contiguous() and weight.dtype == torch.float32 and weight.is_contiguous()
+    out = torch.empty_like(x)
+    _fn("rms_norm_gemma", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
     return out
 
 

@@ -38,6 +38,21 @@ void rms_norm_row(const T* x, const T* w, T* out, int D, float eps) {
     for (; d < D; d++) store(out, d, load(w, d) * round_to(T{}, load(x, d) * r));
 }
 
+// Gemma's RMSNorm: out = round(x * rsqrt(mean(x^2) + eps) * w), all in fp32 with w fp32 (the
+// file's 1 + w), rounded once, as transformers' Gemma3RMSNorm does
+template <typename T>
+void rms_norm_gemma(const T* x, const float* w, T* out, int N, int D, float eps) {
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) {
+        const T* xr = x + (long)n * D;
+        T* o = out + (long)n * D;
+        const float r = 1.0f / std::sqrt(sum_sq(xr, D) / (float)D + eps);
+        int d = 0;
+        for (; d + 16 <= D; d += 16) store16(o + d, (load16(xr + d) * r) * load16(w + d));
+        for (; d < D; d++) store(o, d, (load(xr, d) * r) * w[d]);
+    }
+}
+
 template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int N, int D, float eps) {
 #pragma omp parallel for schedule(static) if (N > 1)
@@ -106,6 +121,8 @@ void rope(T* qkv, const T* cos, const T* sin, const int64_t* pos, int N, int hea
 }  // namespace
 
 extern "C" {
+void isolab_rms_norm_gemma_bf16(const uint16_t* x, const float* w, uint16_t* out, int N, int D, float eps) { rms_norm_gemma(x, w, out, N, D, eps); }
+void isolab_rms_norm_gemma_fp32(const float* x, const float* w, float* out, int N, int D, float eps) { rms_norm_gemma(x, w, out, N, D, eps); }
 void isolab_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int N, int D, float eps) { rms_norm(x, w, out, N, D, eps); }
 void isolab_rms_norm_fp32(const float* x, const float* w, float* out, int N, int D, float eps) { rms_norm(x, w, out, N, D, eps); }
 void isolab_add_rms_norm_bf16(uint16_t* x, const uint16_t* dx, const uint16_t* w, uint16_t* out, int N, int D, float eps) { add_rms_norm(x, dx, w, out, N, D, eps); }

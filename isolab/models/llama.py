@@ -276,7 +276,11 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * w all in fp32, rounded once (w: the file's 1 + w)."""
+        """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * w all in fp32, rounded once (w: the file's 1 + w).
+        (..., D) -> (..., D); the native kernel where it runs (pointwise.cpp: rms_norm_gemma)."""
+        if self.native_kernels:
+            shape = x.shape
+            return kernels.rms_norm_gemma(x.reshape(-1, shape[-1]).contiguous(), weight, self.hp.rms_eps).view(shape)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.hp.rms_eps) * weight).to(x.dtype)
 

@@ -84,4 +84,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
         return default_model_path()
     if isinstance(model, str) and model.lower() in NAMED_MODELS:
         return NAMED_MODELS[model.lower()]()
-    return Path(model)
+    path = Path(model)
+    if not path.exists() and isinstance(model, str) and "/" not in model and not model.endswith(".gguf"):
+        raise ModelLoadError(f"no model is named {model!r} and no such file exists: give a GGUF path or one of "
+                             f"{', '.join(NAMED_MODELS)}")
+    return path
