@@ -230,18 +230,19 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
 // the paired layouts. Scores: 32 dimension pairs, each one instruction per query head for 16
 // keys. P.V: probabilities rounded to bf16 (as transformers rounds them before its matmul), two
 // keys per instruction; an odd last key is added on its own, in fp32.
-template <int G>
+template <int G, int DH = 64>
 static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uint16_t* vplane,
                             const int32_t* table, int L, long NB, int h, float scale, uint16_t* out, float* sc,
                             int Lpad) {
-    constexpr int BS = 16, DH = 64;
+    constexpr int BS = 16;
     const int nblk = (L + BS - 1) / BS;
     const int Lown = nblk * BS;  // this row's own keys, padded to whole blocks: softmax_row's
     // result does not depend on the padding (lanes past L are never summed), so a row does the
     // work of its own length whatever the longest row of the step
+    const int start = window_start < L ? window_start : 0;  // keys before it weigh exactly 0: skipped
     uint32_t qp[G][DH / 2];
     for (int g = 0; g < G; g++) std::memcpy(qp[g], q + g * DH, DH * 2);
-    for (int i = 0; i < nblk; i++) {
+    for (int i = start / BS; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
         // two chains per head (even and odd dimension pairs), added at the end: a fixed order,
         // and twice the independent dot products in flight
@@ -272,43 +273,65 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
             _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
         }
     }
-    __m512 o[G][4];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) o[g][c] = _mm512_setzero_ps();
     const int even = L & ~1;
-    for (int k = 0; k < even; k += 2) {
-        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
-        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
-        const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vb + 64), v3 = (__m512bh)_mm512_loadu_si512(vb + 96);
+    // P.V, 64 dimensions at a time (4 accumulators a head)
+    for (int c = 0; c < DH / 64; c++) {
+        __m512 o[G][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 4; j++) o[g][j] = _mm512_setzero_ps();
+        for (int k = start & ~1; k < even; k += 2) {
+            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2
+                                 + c * 128;
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
+            const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vb + 64), v3 = (__m512bh)_mm512_loadu_si512(vb + 96);
+            for (int g = 0; g < G; g++) {
+                uint32_t pair;
+                std::memcpy(&pair, (const uint16_t*)(const void*)(sc + (long)g * Lpad) + k, 4);
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                o[g][0] = _mm512_dpbf16_ps(o[g][0], v0, pp);
+                o[g][1] = _mm512_dpbf16_ps(o[g][1], v1, pp);
+                o[g][2] = _mm512_dpbf16_ps(o[g][2], v2, pp);
+                o[g][3] = _mm512_dpbf16_ps(o[g][3], v3, pp);
+            }
+        }
         for (int g = 0; g < G; g++) {
-            uint32_t pair;
-            std::memcpy(&pair, (const uint16_t*)(const void*)(sc + (long)g * Lpad) + k, 4);
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
-            o[g][0] = _mm512_dpbf16_ps(o[g][0], v0, pp);
-            o[g][1] = _mm512_dpbf16_ps(o[g][1], v1, pp);
-            o[g][2] = _mm512_dpbf16_ps(o[g][2], v2, pp);
-            o[g][3] = _mm512_dpbf16_ps(o[g][3], v3, pp);
+            float acc[64];
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + j * 16, o[g][j]);
+            if (L & 1) {  // the odd last key, whose pair partner is not visible
+                const int k = L - 1;
+                const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
+                uint32_t pb = (uint32_t)((const uint16_t*)(const void*)(sc + (long)g * Lpad))[k] << 16;
+                float p;
+                std::memcpy(&p, &pb, 4);
+                for (int d = 0; d < 64; d++) acc[d] += p * load(vb, vidx(vb, k % BS, c * 64 + d, DH));
+            }
+            const float inv = 1.0f / sum[g];
+            for (int d = 0; d < 64; d++) store(out, (long)g * DH + c * 64 + d, acc[d] * inv);
         }
-    }
-    for (int g = 0; g < G; g++) {
-        float acc[DH];
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + c * 16, o[g][c]);
-        if (L & 1) {  // the odd last key, whose pair partner is not visible
-            const int k = L - 1;
-            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
-            uint32_t pb = (uint32_t)((const uint16_t*)(const void*)(sc + (long)g * Lpad))[k] << 16;
-            float p;
-            std::memcpy(&p, &pb, 4);
-            for (int d = 0; d < DH; d++) acc[d] += p * load(vb, vidx(vb, k % BS, d, DH));
-        }
-        const float inv = 1.0f / sum[g];
-        for (int d = 0; d < DH; d++) store(out, (long)g * DH + d, acc[d] * inv);
     }
 }
 #define ISOLAB_HAVE_BF16_DOT 1
 #else
 #define ISOLAB_HAVE_BF16_DOT 0
 #endif
+
+// bf16 rows with Dh = 256 (Gemma 3) on AVX512-BF16 dot products; false: use attend_row.
+template <typename T>
+static bool attend_fast_256(int G, const T* q, const T* kplane, const T* vplane, const int32_t* table, int L, long NB,
+                            int h, float scale, T* out, float* sc, int Lpad) {
+#if ISOLAB_HAVE_BF16_DOT
+    if constexpr (sizeof(T) == 2) {
+        switch (G) {
+            case 1: attend_row_bf16<1, 256>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 2: attend_row_bf16<2, 256>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+            case 4: attend_row_bf16<4, 256>(q, kplane, vplane, table, L, NB, h, scale, out, sc, Lpad); return true;
+        }
+    }
+#endif
+    (void)G, (void)q, (void)kplane, (void)vplane, (void)table, (void)L, (void)NB, (void)h, (void)scale, (void)out,
+        (void)sc, (void)Lpad;
+    return false;
+}
 
 // The fast paths for bs = 16, Dh = 64 and G query heads per KV head; false: use attend_row.
 template <typename T>
@@ -544,6 +567,8 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             const int L = q_pos[n] + 1;
             window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
+                continue;
+            if (fast_paths && bs == 16 && Dh == 256 && attend_fast_256<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
                 continue;
             if (bs == 16)
                 attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
