@@ -80,6 +80,13 @@ for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     h = torch.randn(7, 576, generator=g).to(dt)
     out["rms_" + name] = kernels.rms_norm(h, torch.randn(576, generator=g).to(dt), 1e-5)
     out["silu_" + name] = kernels.silu_mul(torch.randn(7, 256, generator=g).to(dt))
+    out["gemma_norm_" + name] = kernels.rms_norm_gemma(h, 1.0 + 0.1 * torch.randn(576, generator=g), 1e-6)
+    out["attention_window_" + name] = kernels.paged_attention(q, pool, tables, torch.arange(b, dtype=torch.int32),
+                                                             pos, 0.125, window=33)
+    from isolab.kernels import quant as Q
+    for fmt, fp16 in ((Q.U4, True), (Q.S8, True), (Q.S8G16, False)):  # quantized GEMMs: one chain everywhere
+        u = Q.random_unpacked(fmt, 100, 576, fp16, seed=fmt)
+        out[f"qgemm{fmt}_" + name] = kernels.qgemm(x, Q.pack(u), fmt, fp16, 100, dt)
 torch.save(out, sys.argv[1])
 """
 
@@ -119,10 +126,11 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
             assert ((out["gemm_bf16"].double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3).all()
             assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == out["isa"])
         # bf16 attention: equal among the builds that take the same path (amx tiles, AVX512-BF16 dots)
-        assert all(torch.equal(o["attention_bf16"], out["attention_bf16"]) for o in got.values()
-                   if o["attention_isa"] == out["attention_isa"])
+        for key in ("attention_bf16", "attention_window_bf16"):
+            assert all(torch.equal(o[key], out[key]) for o in got.values() if o["attention_isa"] == out["attention_isa"])
         for key, value in base.items():
-            if not isinstance(value, torch.Tensor) or (key == "attention_bf16" and out["bf16_dot"]) or \
+            if not isinstance(value, torch.Tensor) or (key.startswith("attention") and key.endswith("bf16")
+                                                       and out["bf16_dot"]) or \
                     (key == "gemm_bf16" and out["isa"] in OWN_CHAINS):
                 continue
             assert torch.equal(out[key], value), f"{key} differs between generic and {lv} ({out['isa']})"
