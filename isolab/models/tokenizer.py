@@ -54,8 +54,9 @@ class Tokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
         # tokens that end a chat turn besides EOS (Gemma's <end_of_turn>): the engine stops on them too,
         # as transformers' generation configs list them beside EOS
-        vocab = self._tok.get_vocab()
-        self.end_of_turn_ids = frozenset(vocab[t] for t in END_OF_TURN if t in vocab and vocab[t] != self.eos_token_id)
+        ids = {t: self._tok.convert_tokens_to_ids(t) for t in END_OF_TURN}  # (not get_vocab: 262k entries for Gemma)
+        self.end_of_turn_ids = frozenset(i for t, i in ids.items() if isinstance(i, int) and i != self._tok.unk_token_id
+                                         and i != self.eos_token_id and self._tok.convert_ids_to_tokens(i) == t)
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
 
