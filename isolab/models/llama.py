@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from isolab import kernels
 from isolab.kernels import quant
-from isolab.models import invariance
+from isolab.models import gemma3, invariance
 from isolab.models.attention import KEY_PAD, attention_core
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
 from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
@@ -259,10 +259,8 @@ class LlamaModel:
         self.rope_cos = emb.cos().to(self.device, self.dtype)
         self.rope_sin = emb.sin().to(self.device, self.dtype)
         if hp.gemma:  # local layers: their own RoPE base; embeddings scaled by sqrt(D), rounded as transformers does
-            local = 1.0 / (hp.rope_theta_local ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
-            emb = torch.cat([torch.outer(pos, local)] * 2, dim=-1)
-            self.rope_cos_local = emb.cos().to(self.device, self.dtype)
-            self.rope_sin_local = emb.sin().to(self.device, self.dtype)
+            self.rope_cos_local, self.rope_sin_local = gemma3.rope_tables(hp.rope_theta_local, hp.head_dim,
+                                                                          hp.context_length, self.dtype, self.device)
             self.embed_scale = torch.tensor(hp.hidden_size ** 0.5, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -274,43 +272,6 @@ class LlamaModel:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
-
-    def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * w all in fp32, rounded once (w: the file's 1 + w).
-        (..., D) -> (..., D); the native kernel where it runs (pointwise.cpp: rms_norm_gemma)."""
-        if self.native_kernels:
-            shape = x.shape
-            return kernels.rms_norm_gemma(x.reshape(-1, shape[-1]).contiguous(), weight, self.hp.rms_eps).view(shape)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.hp.rms_eps) * weight).to(x.dtype)
-
-    def _forward_gemma(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Gemma 3's layer: scaled embeddings, norms before and after attention and the MLP, per-head
-        q/k norms, GELU-tanh, local (sliding-window, own RoPE base) and global layers. Row-wise torch
-        ops between the native GEMMs and attention, so a row's bits are its own."""
-        hp = self.hp
-        N = token_ids.shape[0]
-        H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
-        x = self.embed[token_ids] * self.embed_scale  # (N, D)
-        for i, L in enumerate(self.layers):
-            local = hp.is_local(i)
-            cos, sin = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
-            qkv = L.wqkv(self._gemma_norm(x, L.attn_norm))  # (N, (H + 2 Hkv) Dh)
-            q = self._gemma_norm(qkv[:, : H * Dh].reshape(N, H * Dh // Dh, Dh), L.q_norm)  # type: ignore[arg-type]
-            k = self._gemma_norm(qkv[:, H * Dh : (H + Hkv) * Dh].reshape(N, Hkv, Dh), L.k_norm)  # type: ignore[arg-type]
-            qkv = torch.cat([q.view(N, -1), k.view(N, -1), qkv[:, (H + Hkv) * Dh :]], dim=1)  # (N, W), normed
-            if self.native_kernels:
-                kernels.rope_(qkv, cos, sin, positions, H + Hkv, Dh)  # q and k in place
-                qk = qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh)
-            else:
-                qk = self._rope(qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh), cos[positions].unsqueeze(1),
-                                sin[positions].unsqueeze(1))
-            v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
-            o = attn.attend(i, qk[:, :H], qk[:, H:], v, window=hp.sliding_window if local else 0)  # (N, H, Dh)
-            x = x + self._gemma_norm(L.wo(o.reshape(N, H * Dh)), L.post_attn_norm)  # type: ignore[arg-type]
-            gate, up = L.w_gate_up(self._gemma_norm(x, L.ffn_norm)).chunk(2, dim=-1)
-            x = x + self._gemma_norm(L.w_down(F.gelu(gate, approximate="tanh") * up), L.post_ffn_norm)  # type: ignore[arg-type]
-        return self._gemma_norm(x, self.final_norm)
 
     def _qkv_extras(self, L: Layer, qkv: torch.Tensor, N: int, native: bool) -> torch.Tensor:
         """What a family adds between the qkv GEMM and RoPE: biases (qwen2), a per-head RMSNorm of q
@@ -332,7 +293,7 @@ class LlamaModel:
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
         if self.hp.gemma:
-            return self._forward_gemma(token_ids, positions, attn)
+            return gemma3.forward(self, token_ids, positions, attn)
         if self.native_kernels:
             return self._forward_native(token_ids, positions, attn)
         hp = self.hp
