@@ -64,26 +64,17 @@ def main() -> int:
 
     real_fill = llt.fill_next_token_bitmask
 
-    def timed_fill(*a, **k):
-        t = time.perf_counter()
-        try:
-            return real_fill(*a, **k)
-        finally:
-            spent["fill"] += time.perf_counter() - t
+    def timed(key: str, fn):  # fn, with its seconds added to spent[key]
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return run
 
-    def timed_mask(*a, **k):
-        t = time.perf_counter()
-        try:
-            return real_mask(*a, **k)
-        finally:
-            spent["mask"] += time.perf_counter() - t
-
-    def timed_update(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return real_update(self, *a, **k)
-        finally:
-            spent["update"] += time.perf_counter() - t
+    # (a plain function set on the class is bound: Scheduler.update's self arrives in *a)
+    timed_fill, timed_mask, timed_update = timed("fill", real_fill), timed("mask", real_mask), timed("update", real_update)
 
     engine.grammars  # noqa: B018 - build the tokenizer's grammar tables outside the timing
     t = time.perf_counter()

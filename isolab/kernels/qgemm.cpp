@@ -456,7 +456,6 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
 
 extern "C" {
 const char* isolab_qgemm_isa() { return QISA; }
-long isolab_qgemm_record_bytes(int fmt, int fp16) { return record_bytes(fmt, fp16 != 0); }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,

@@ -36,14 +36,6 @@ class GemmaModel(Protocol):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
 
-def rope_tables(base: float, head_dim: int, positions: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, Dh) cos and sin tables for a RoPE base, laid out as the rope kernel reads them."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    emb = torch.cat([torch.outer(torch.arange(positions, dtype=torch.float32), inv)] * 2, dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-
-
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool) -> torch.Tensor:
     """Gemma's RMSNorm over the last dim: (..., D) -> (..., D); weight fp32 (the file's 1 + w)."""
     if native:

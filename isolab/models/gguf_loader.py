@@ -75,6 +75,19 @@ class RawTensor:
     shape: tuple[int, ...]  # PyTorch layout: (out_features, in_features) for matrices
     data: np.ndarray  # uint8 (rows, bytes a row) for quantized types; the values otherwise
 
+    def dequantize(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """fp32 values, the whole tensor in its shape or the given rows (len(rows), K), by the gguf
+        package's own dequantization."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        data = self.data if rows is None else self.data[rows]
+        try:
+            arr = dequantize(data, GGMLQuantizationType[self.qtype]).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise ModelLoadError(f"a {self.qtype} tensor could not be read ({exc})") from exc
+        return arr.reshape(self.shape if rows is None else (len(rows), -1))
+
 
 class DequantizedTensors(Mapping[str, np.ndarray]):
     """name -> fp32 array in PyTorch layout, dequantized when read (not kept): a dense model reads
@@ -84,15 +97,7 @@ class DequantizedTensors(Mapping[str, np.ndarray]):
         self._raw = raw
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        t = self._raw[name]
-        try:
-            arr = dequantize(t.data, GGMLQuantizationType[t.qtype]).astype(np.float32, copy=False)
-        except Exception as exc:
-            raise ModelLoadError(f"tensor {name!r} could not be read ({exc})") from exc
-        return arr.reshape(t.shape)
+        return self._raw[name].dequantize()
 
     def __iter__(self):
         return iter(self._raw)

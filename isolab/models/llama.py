@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from isolab import kernels
 from isolab.kernels import quant
 from isolab.models import gemma3, invariance
-from isolab.models.attention import KEY_PAD, attention_core
+from isolab.models.attention import KEY_PAD, attention_core, rope_tables
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
 from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
 
@@ -50,12 +50,8 @@ class Embedding:
         self.raw, self.dtype, self.device = raw, dtype, device
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D), a fresh tensor
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        rows = self.raw.data[ids.cpu().numpy()]
-        vals = dequantize(rows, GGMLQuantizationType[self.raw.qtype]).astype(np.float32, copy=False)
-        return torch.from_numpy(vals.reshape(len(rows), -1)).to(device=self.device, dtype=self.dtype)
+        vals = self.raw.dequantize(ids.cpu().numpy())
+        return torch.from_numpy(vals).to(device=self.device, dtype=self.dtype)
 
 
 class PackedEmbedding:
@@ -252,15 +248,11 @@ class LlamaModel:
                 post_ffn_norm=wf(p + "post_ffw_norm.weight") if hp.gemma else None,
             ))
         self._fused = self._fused_layers() if self.native_kernels and kernels.native_ready() else None
-        inv_freq = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.int64).float() / hp.head_dim))
-        pos = torch.arange(hp.context_length, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # (P, Dh/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, Dh)
-        self.rope_cos = emb.cos().to(self.device, self.dtype)
-        self.rope_sin = emb.sin().to(self.device, self.dtype)
+        self.rope_cos, self.rope_sin = rope_tables(hp.rope_theta, hp.head_dim, hp.context_length, self.dtype,
+                                                   self.device)
         if hp.gemma:  # local layers: their own RoPE base; embeddings scaled by sqrt(D), rounded as transformers does
-            self.rope_cos_local, self.rope_sin_local = gemma3.rope_tables(hp.rope_theta_local, hp.head_dim,
-                                                                          hp.context_length, self.dtype, self.device)
+            self.rope_cos_local, self.rope_sin_local = rope_tables(hp.rope_theta_local, hp.head_dim,
+                                                                   hp.context_length, self.dtype, self.device)
             self.embed_scale = torch.tensor(hp.hidden_size ** 0.5, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

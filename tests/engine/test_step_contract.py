@@ -57,6 +57,15 @@ def test_check_stop_rules_in_order():
     assert check_stop(p, 5, **{**kw, "num_tokens": 100}).status is RequestStatus.FINISHED_LENGTH
 
 
+def test_an_end_of_turn_token_stops_like_eos():
+    """Gemma's <end_of_turn> (Tokenizer.end_of_turn_ids) ends a request as EOS does; not under ignore_eos."""
+    kw = dict(num_output_tokens=1, num_tokens=5, eos_token_id=1, max_model_len=100)
+    assert check_stop(SamplingParams(), 106, **kw) is None  # without it, just a token
+    d = check_stop(SamplingParams(), 106, **kw, end_of_turn=frozenset({106}))
+    assert d.status is RequestStatus.FINISHED_STOPPED and d.reason is None
+    assert check_stop(SamplingParams(ignore_eos=True), 106, **kw, end_of_turn=frozenset({106})) is None
+
+
 def test_a_stop_string_across_two_tokens_is_found_in_the_second():
     assert stop_string_in("hello wor", 3, ("o w",)) == "o w"  # "wor" is new, the match starts before it
     assert stop_string_in("hello wor", 2, ("hell",)) is None

@@ -146,6 +146,20 @@ def test_error_against_the_dense_weights_is_the_activation_rounding(fmt, fp16):
     assert float((dense - exact).norm() / exact.norm()) < rel / 10
 
 
+def test_weights_of_two_record_formats_run_side_by_side():
+    """A u4 part beside an s8 part (Q4_K q/k beside a Q6_K v) cannot share one GEMM: StackedWeight
+    runs each and concatenates, the same bits as each part alone."""
+    from isolab.models.linear import QuantWeight, StackedWeight
+
+    parts = [Q.random_unpacked(Q.U4, 48, 128, True, seed=1), Q.random_unpacked(Q.S8G16, 32, 128, False, seed=2)]
+    with pytest.raises(ValueError):
+        Q.concat(parts)
+    alone = [QuantWeight(p, CPU, True) for p in parts]
+    stacked = StackedWeight(alone)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert stacked.n == 80 and torch.equal(stacked(x), torch.cat([w(x) for w in alone], dim=1))
+
+
 def test_concat_promotes_scales_exactly():
     a = Q.random_unpacked(Q.S8, 16, 64, True, seed=1)
     b = Q.random_unpacked(Q.S8G16, 32, 64, False, seed=2)

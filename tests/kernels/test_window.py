@@ -37,5 +37,9 @@ def test_window_rows_are_their_own_and_match_the_torch_path(dtype, dh):
                          window=W)[:, 0]
     assert (full.float() - ref).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
     no_window = kernels.paged_attention(q, pool, tables, rows, pos, dh ** -0.5)
-    assert torch.equal(no_window[:2], full[:2])  # rows that do not reach back W keys are unchanged
+    if kernels.attention_isa() == "amx" and dtype == torch.bfloat16 and dh == 64:
+        # unwindowed bf16 rows take the AMX tiles, windowed calls never do (another fixed order)
+        assert (no_window[:2].float() - full[:2].float()).abs().max() < 2e-2
+    else:
+        assert torch.equal(no_window[:2], full[:2])  # rows that do not reach back W keys are unchanged
     assert not torch.equal(no_window[3:], full[3:])  # the others are not

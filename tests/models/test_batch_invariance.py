@@ -126,8 +126,13 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
             assert ((out["gemm_bf16"].double() - exact).abs() <= 2 ** -7 * exact.abs() + 1e-3).all()
             assert all(torch.equal(o["gemm_bf16"], out["gemm_bf16"]) for o in got.values() if o["isa"] == out["isa"])
         # bf16 attention: equal among the builds that take the same path (amx tiles, AVX512-BF16 dots)
-        for key in ("attention_bf16", "attention_window_bf16"):
-            assert all(torch.equal(o[key], out[key]) for o in got.values() if o["attention_isa"] == out["attention_isa"])
+        assert all(torch.equal(o["attention_bf16"], out["attention_bf16"]) for o in got.values()
+                   if o["attention_isa"] == out["attention_isa"])
+        # windowed calls never take AMX tiles: on an AMX build they take its dot-product or fma path,
+        # which the AMX report does not name, so those are compared only where the report is the path
+        if out["attention_isa"] != "amx":
+            assert all(torch.equal(o["attention_window_bf16"], out["attention_window_bf16"]) for o in got.values()
+                       if o["attention_isa"] == out["attention_isa"])
         for key, value in base.items():
             if not isinstance(value, torch.Tensor) or (key.startswith("attention") and key.endswith("bf16")
                                                        and out["bf16_dot"]) or \
