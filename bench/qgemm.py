@@ -1,0 +1,73 @@
+"""The quantized GEMM (kernels/qgemm.cpp) against the dense bf16 GEMM (kernels/gemm.cpp) on a model's
+own shapes, at M = 1, 32 and 512 rows, in one run: ms per call and the ratio. The weights are the
+model's (native records against the same tensors dequantized to bf16), hot in cache at M = 1.
+
+    .venv/bin/python bench/qgemm.py [--model gemma3-270m] [--json bench/results/qgemm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from isolab import kernels
+from isolab.models.bundle import load_bundle
+from isolab.models.linear import QuantWeight
+
+
+def per_call_ms(fn, x: torch.Tensor) -> float:
+    fn(x)
+    reps = max(3, int(2e8 // max(1, x.numel() * 1000)))  # about the same work for every M
+    reps = min(reps, 200)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn(x)
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json", default="bench/results/qgemm.json")
+    args = ap.parse_args()
+    m = load_bundle(args.model, "bf16", weights="native").model
+    layer = m.layers[0]
+    rows = []
+    for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
+                    ("lm_head", m.lm_head)):
+        if not isinstance(w, QuantWeight) or w.packed is None:
+            continue
+        k = w.packed.shape[1] * 32
+        dense = kernels.pack_weight(torch.from_numpy(w_dense(w)).to(torch.bfloat16))
+        for mm in (1, 32, 512):
+            if name == "lm_head" and mm == 512:
+                continue
+            x = torch.randn(mm, k).to(torch.bfloat16)
+            q = per_call_ms(w, x)
+            d = per_call_ms(lambda a, dense=dense, n=w.n: kernels.gemm(a, dense, n), x)
+            rows.append({"weight": name, "format": w.qtype, "n": w.n, "k": k, "m": mm, "qgemm_ms": round(q, 4),
+                         "dense_bf16_ms": round(d, 4), "dense_over_qgemm": round(d / q, 2)})
+            print(f"{name:10s} {w.qtype:6s} {w.n:6d}x{k:<5d} M={mm:<4d} qgemm {q:8.3f} ms  bf16 {d:8.3f} ms  "
+                  f"{d / q:5.2f}x", flush=True)
+    out = {"model": str(args.model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
+           "qgemm_isa": kernels.qgemm_isa(), "gemm_isa": kernels.gemm_isa(), "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def w_dense(w: QuantWeight):
+    """The weight's values (N, K) fp32, read back from its records."""
+    import numpy as np
+
+    from isolab.kernels import quant
+
+    return quant.dequantize_rows(w.packed, w.fmt, w.fp16, np.arange(w.n), w.packed.shape[1] * 32)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
