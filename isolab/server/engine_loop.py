@@ -18,7 +18,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVarTuple
+from typing import Any, TypeVarTuple
+
+from prometheus_client import CollectorRegistry
 
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.errors import IsolabError, RequestAborted
@@ -58,38 +60,15 @@ def _final(request_id: str, reason: str, error: IsolabError | None) -> RequestOu
     return RequestOutput(request_id, (), (), (), True, reason, None, 0, 0, error)
 
 
-class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._cv = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
-        self._routes: dict[str, _Route] = {}  # engine thread only
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="isolab-engine", daemon=True)
-        self.stats: dict[str, float] = dict(engine.stats())
-        self.num_pending_commands = 0
-        # Admission bound, counted on the asyncio side (reserve before submit, release when done).
+class AdmissionBound:
+    """The server's bound on engine requests in flight, counted on the asyncio side: reserve before
+    submit, release when the call's reply ends (one engine or many share the bookkeeping)."""
+
+    def __init__(self) -> None:
         self._reserved = 0
-        self.peak_reserved = 0  # high-water mark of the admission bound (tests and metrics)
+        self.peak_reserved = 0  # high-water mark (tests and metrics)
         self._reserve_lock = threading.Lock()
 
-    # -- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever is left (its consumers get finish_reason 'abort') and join the thread."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    # -- admission bound ----------------------------------------------------------------------------
     @property
     def num_reserved(self) -> int:
         return self._reserved
@@ -106,6 +85,42 @@ class EngineLoop:
         with self._reserve_lock:
             self._reserved -= n
             assert self._reserved >= 0
+
+
+class EngineLoop(AdmissionBound):
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="isolab-engine", daemon=True)
+        self.stats: dict[str, float] = dict(engine.stats())
+        self.num_pending_commands = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread.ident is None:  # once: a second call (the app's lifespan) is a no-op
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left (its consumers get finish_reason 'abort') and join the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def describe(self) -> dict[str, Any]:
+        return {}  # one engine: /health says all there is
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        pass  # the engine's figures are ServerMetrics' own
 
     # -- asyncio side --------------------------------------------------------------------------------
     async def submit(

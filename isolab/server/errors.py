@@ -3,7 +3,8 @@
     {"error": {"message", "type", "param", "code"}}     (protocol.ErrorResponse, also in the docs)
 
 isolab.errors map here: InvalidRequestError -> 400 naming its field (PromptTooLongError: code
-context_length_exceeded), RequestAborted -> 503 shutting_down. Anything unexpected is a 500 whose
+context_length_exceeded), RequestAborted -> 503 shutting_down, EngineUnavailable -> 503
+engine_unavailable (no replica up). Anything unexpected is a 500 whose
 message never quotes the request. Does not know the engine, tenants or the completion formats.
 """
 
@@ -17,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from isolab.errors import InvalidRequestError, PromptTooLongError, RequestAborted
+from isolab.errors import EngineUnavailable, InvalidRequestError, PromptTooLongError, RequestAborted
 from isolab.server.protocol import ErrorInfo, ErrorResponse
 from isolab.server.refused import RefusedField
 
@@ -50,10 +51,12 @@ def shutting_down(headers: dict[str, str] | None = None) -> ApiError:
     return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down", headers=headers)
 
 
-def api_error(exc: InvalidRequestError | RequestAborted) -> ApiError:
-    """The reply for an isolab error a request caused (or met: a shutdown)."""
+def api_error(exc: InvalidRequestError | RequestAborted | EngineUnavailable) -> ApiError:
+    """The reply for an isolab error a request caused (or met: a shutdown, no engine up)."""
     if isinstance(exc, RequestAborted):
         return shutting_down()
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, str(exc), type="server_error", code="engine_unavailable", headers={"Retry-After": "2"})
     code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else None
     return ApiError(400, str(exc), param=exc.field, code=code)
 

@@ -25,11 +25,12 @@ from starlette.responses import Response
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.grammar import GrammarCompiler
 from isolab.engine.llm_engine import RequestOutput
-from isolab.errors import InvalidRequestError, RequestAborted
+from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
 from isolab.models.tokenizer import Tokenizer
 from isolab.sampling_params import GrammarSpec, SamplingParams
+from isolab.server.backend import EngineBackend
 from isolab.server.call import Call, Choice
-from isolab.server.engine_loop import EngineLoop, EngineRequest
+from isolab.server.engine_loop import EngineRequest
 from isolab.server.errors import ApiError, api_error
 from isolab.server.formats import ChatFormat, CompletionFormat, Format, Limits, Plan
 from isolab.server.metrics import ServerMetrics
@@ -45,7 +46,7 @@ BodyT = TypeVar("BodyT", bound=BaseRequest)
 
 
 class Serving:
-    def __init__(self, engine_loop: EngineLoop, config: ServerConfig, metrics: ServerMetrics,
+    def __init__(self, engine_loop: EngineBackend, config: ServerConfig, metrics: ServerMetrics,
                  model_names: tuple[str, ...], tokenizer: Tokenizer, max_model_len: int, capacity: int,
                  grammars: GrammarCompiler) -> None:
         self.loop = engine_loop
@@ -165,7 +166,7 @@ class Serving:
                            headers={"Retry-After": str(self.config.retry_after_s)})
         try:
             queue = await self.loop.submit(engine_requests, scope)
-        except (InvalidRequestError, RequestAborted) as exc:
+        except (InvalidRequestError, RequestAborted, EngineUnavailable) as exc:
             self.loop.release(num)
             raise api_error(exc) from None
         except BaseException:

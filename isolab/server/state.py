@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 
 from isolab.models.invariance import InvarianceReport
-from isolab.server.engine_loop import EngineLoop
+from isolab.server.backend import EngineBackend
 from isolab.server.metrics import ServerMetrics
 from isolab.server.serving import Serving
 from isolab.server.settings import ServerConfig
@@ -27,7 +27,7 @@ class ServerState:
     # Not frozen: `draining` flips once, on the first SIGTERM (isolab.commands.serve sets it).
     config: ServerConfig
     tenants: TenantRegistry
-    engine_loop: EngineLoop
+    engine_loop: EngineBackend  # one engine (EngineLoop) or replicas (scaleout.ReplicaSet)
     metrics: ServerMetrics
     serving: Serving
     tokenization: Tokenization  # /tokenize and /detokenize

@@ -1,0 +1,123 @@
+"""Owns starting and stopping the replicas on Ray Serve: Ray (local or joined), one Serve app per replica.
+
+    deploy(engine config, ScaleOut) -> (ReplicaSet, ReplicaFacts)
+      ray.init(address or a local instance) -> serve.start(no HTTP proxy: isolab's own app is the API)
+      -> serve.run_many: apps isolab-replica-0..N-1, each one EngineReplica (Serve restarts a dead one)
+      -> replica 0's facts (tokenizer path, limits, numerics) for the ingress
+
+One app per replica (not one deployment of N replicas behind Serve's own router): the ingress picks
+the replica itself, by tenant scope and prefix (router.py), and Serve keeps each one alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from isolab.config import EngineConfig
+from isolab.errors import IsolabError
+from isolab.scaleout.replica import EngineReplica
+from isolab.scaleout.replica_set import ReplicaSet
+from isolab.scaleout.router import Router, RoutingConfig
+from isolab.scaleout.wire import ReplicaFacts
+
+log = logging.getLogger("isolab.scaleout")
+
+APP_PREFIX = "isolab-replica-"
+RAY_MISSING = ("--replicas needs Ray Serve, an optional extra: pip install 'isolab[ray]' "
+               "(or `make setup`, which installs it)")
+
+
+class ScaleOutError(IsolabError):
+    """Ray is missing, or the replicas could not be started."""
+
+
+@dataclass(frozen=True)
+class ScaleOut:
+    replicas: int
+    threads_per_replica: int  # torch / OpenMP threads in each replica
+    ray_address: str | None = None  # None: a local Ray instance, started here and stopped with the server
+    cpus_per_replica: float | None = None  # Ray's logical CPUs a replica asks for (None: its threads)
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
+    health_check_period_s: float = 2.0
+    poll_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ScaleOutError(f"--replicas must be at least 1, not {self.replicas}")
+        if self.threads_per_replica < 1:
+            raise ScaleOutError(f"--replica-threads must be at least 1, not {self.threads_per_replica}")
+
+
+def require_ray() -> Any:
+    try:
+        from ray import serve
+    except ImportError:
+        raise ScaleOutError(RAY_MISSING) from None
+    return serve
+
+
+def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> tuple[ReplicaSet, ReplicaFacts]:
+    serve = require_ray()
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        if plan.ray_address is None:
+            # Logical CPUs: enough for every replica here (on this machine they share its cores; say so).
+            need = plan.replicas * (plan.cpus_per_replica or plan.threads_per_replica)
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+                     configure_logging=False, log_to_driver=False)
+        else:
+            ray.init(address=plan.ray_address, configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        cpus = plan.cpus_per_replica if plan.cpus_per_replica is not None else float(plan.threads_per_replica)
+        deployment = serve.deployment(
+            EngineReplica, name="engine", num_replicas=1, max_ongoing_requests=capacity_per_replica + 16,
+            health_check_period_s=plan.health_check_period_s, health_check_timeout_s=30.0,
+            graceful_shutdown_timeout_s=5.0, max_constructor_retry_count=2,
+            ray_actor_options={"num_cpus": cpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(plan.threads_per_replica)}}},
+            logging_config={"log_level": "WARNING", "enable_access_log": False},
+        )
+        targets = [serve.RunTarget(deployment.bind(_for_replica(config, i), i, plan.threads_per_replica),
+                                   name=f"{APP_PREFIX}{i}", route_prefix=None) for i in range(plan.replicas)]
+        handles = serve.run_many(targets)
+        facts: ReplicaFacts = handles[0].facts.remote().result(timeout_s=300)
+    except Exception as exc:
+        _teardown(started_ray)
+        if isinstance(exc, IsolabError):
+            raise
+        raise ScaleOutError(f"the engine replicas did not start ({type(exc).__name__}: {str(exc)[:300]})") from exc
+    replicas = ReplicaSet(handles, Router(plan.replicas, dataclasses.replace(plan.routing,
+                                                                              block_size=config.cache.block_size)),
+                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(started_ray))
+    log.info("%d engine replica(s) on Ray Serve, %d thread(s) each, routing %s", plan.replicas,
+             plan.threads_per_replica, plan.routing.policy)
+    return replicas, facts
+
+
+def _for_replica(config: EngineConfig, index: int) -> EngineConfig:
+    """Each replica its own trace file (two writers must not share one)."""
+    if config.trace_path is None:
+        return config
+    return dataclasses.replace(config, trace_path=f"{config.trace_path}.replica{index}")
+
+
+def _teardown(started_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    for name in list(serve.status().applications):
+        if name.startswith(APP_PREFIX):
+            try:
+                serve.delete(name, _blocking=True)
+            except Exception:  # the cluster may be going away already
+                log.warning("could not delete %s", name)
+    if started_ray:
+        serve.shutdown()
+        ray.shutdown()

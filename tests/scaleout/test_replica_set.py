@@ -1,0 +1,148 @@
+"""The ingress's side of scale-out (scaleout/replica_set.py) over real EngineReplicas on the tiny
+model, with Ray's handles played in-process (fake_ray.py): streams, routing, a replica that dies
+mid-stream or before admitting, restarts, aborts, refusals, and nothing left counted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
+from isolab.errors import EngineUnavailable, PromptTooLongError
+from isolab.sampling_params import SamplingParams
+from isolab.scaleout.replica_set import ReplicaSet
+from isolab.scaleout.router import Router, RoutingConfig
+from isolab.server.engine_loop import EngineRequest
+from tests.scaleout.fake_ray import FakeReplica
+
+
+@pytest.fixture
+def fakes(tiny_path, tiny_bundle):
+    config = EngineConfig(model=str(tiny_path), device="cpu", cache=CacheConfig(16, 8 * MiB, True),
+                          scheduler=SchedulerConfig(8, 256))
+    reps = [FakeReplica(config, i) for i in range(2)]
+    yield reps
+    for r in reps:
+        r.replica.loop.stop()
+
+
+def make_set(fakes) -> ReplicaSet:
+    return ReplicaSet(fakes, Router(len(fakes), RoutingConfig(block_size=16)), poll_s=0.05)
+
+
+def req(rid: str, n_prompt: int = 40, max_tokens: int = 8, seed: int = 0) -> EngineRequest:
+    return EngineRequest(rid, tuple((seed * 7 + i) % 200 + 3 for i in range(n_prompt)),
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+async def drain(queue, ids):
+    outs, pending = [], set(ids)
+    while pending:
+        o = await asyncio.wait_for(queue.get(), 30)
+        outs.append(o)
+        if o.finished:
+            pending.discard(o.request_id)
+    return outs
+
+
+def idle(fake: FakeReplica) -> bool:
+    e = fake.replica.engine
+    return not e.has_unfinished() and e.kv.num_held_blocks() == 0
+
+
+async def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_calls_stream_route_and_release(fakes):
+    async def main():
+        rs = make_set(fakes)
+        q = await rs.submit([req("a-0"), req("a-1")], "t:alice")
+        outs = await drain(q, ["a-0", "a-1"])
+        assert {o.finish_reason for o in outs if o.finished} == {"length"}
+        assert sum(len(o.new_token_ids) for o in outs) == 16
+        await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas))
+        q = await rs.submit([req("b-0")], "t:alice")  # the same prompt: the same replica, from its cache
+        outs = await drain(q, ["b-0"])
+        assert outs[-1].num_cached_tokens == 32
+        await rs.refresh()
+        assert rs.stats["prefix_cache_hits_tokens"] == 32  # the repeat (n=2 ran in one step: no hit yet)
+    asyncio.run(main())
+
+
+def test_a_replica_dying_mid_stream_fails_its_requests_cleanly_and_traffic_moves(fakes):
+    async def main():
+        rs = make_set(fakes)
+        q = await rs.submit([req("long", max_tokens=400)], "t:alice")
+        home = rs._streams["long"].replica.index
+        await asyncio.wait_for(q.get(), 30)  # it is running
+        fakes[home].kill()
+        outs = await drain(q, ["long"])
+        last = outs[-1]
+        assert last.finish_reason == "error" and isinstance(last.error, EngineUnavailable)
+        assert f"replica {home}" in str(last.error)
+        await wait_for(lambda: rs._replicas[home].inflight == 0)
+        assert not rs._replicas[home].up and rs._replicas[home].failed_streams == 1
+        q = await rs.submit([req("next", seed=0)], "t:alice")  # the same prefix: its replica is down
+        assert rs._streams["next"].replica.index == 1 - home
+        await drain(q, ["next"])
+        fakes[home].restart()
+        await rs.refresh()
+        assert rs._replicas[home].up and rs._replicas[home].restarts == 1
+        await wait_for(lambda: idle(fakes[1 - home]))
+    asyncio.run(main())
+
+
+def test_a_replica_dead_before_admitting_is_retried_on_another(fakes):
+    async def main():
+        rs = make_set(fakes)
+        rs.register_metrics(__import__("prometheus_client").CollectorRegistry())
+        fakes[0].dead = True  # died, and no poll has noticed yet: the router still thinks it is up
+        fakes[1].dead = False
+        rs._replicas[1].inflight += 5  # busier: the router picks replica 0 first
+        q = await rs.submit([req("r0")], "t:alice")
+        assert rs._streams["r0"].replica.index == 1  # ... which failed, so replica 1 took it
+        rs._replicas[1].inflight -= 5
+        await drain(q, ["r0"])
+        assert not rs._replicas[0].up
+        for i in range(1, 4):  # and the next calls go to the survivor at once
+            q = await rs.submit([req(f"r{i}", seed=i)], f"t:{i}")
+            assert rs._streams[f"r{i}"].replica.index == 1
+            await drain(q, [f"r{i}"])
+        fakes[1].dead = True
+        rs._replicas[1].up = True
+        with pytest.raises(EngineUnavailable, match="no engine replica is up"):
+            await rs.submit([req("x")], "t:alice")
+        assert all(r.inflight == 0 for r in rs._replicas)
+    asyncio.run(main())
+
+
+def test_abort_frees_the_replicas_blocks(fakes):
+    async def main():
+        rs = make_set(fakes)
+        q = await rs.submit([req("c-0", max_tokens=400), req("c-1", max_tokens=400)], "t:bob")
+        home = fakes[rs._streams["c-0"].replica.index]
+        await asyncio.wait_for(q.get(), 30)
+        rs.abort(["c-0", "c-1"])  # the client went away
+        await wait_for(lambda: idle(home))
+        await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas) and not rs._streams)
+        q = await rs.submit([req("d-0", max_tokens=400), req("d-1", max_tokens=8)], "t:bob")
+        await asyncio.wait_for(q.get(), 30)
+        rs.abort(["d-0"])  # a part of a call: aborted on its replica, the rest goes on
+        outs = await drain(q, ["d-0", "d-1"])
+        assert {o.request_id: o.finish_reason for o in outs if o.finished} == {"d-0": "abort", "d-1": "length"}
+    asyncio.run(main())
+
+
+def test_a_refusal_comes_back_as_its_own_error(fakes):
+    async def main():
+        rs = make_set(fakes)
+        with pytest.raises(PromptTooLongError):
+            await rs.submit([req("big", n_prompt=5000)], "t:alice")
+        assert all(r.inflight == 0 for r in rs._replicas)
+    asyncio.run(main())
