@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CPU threads per replica (default: this machine's cores / N, at least 1)")
     r.add_argument("--replica-cpus", type=float, default=None, metavar="C",
                    help="Ray logical CPUs each replica asks for (default: its threads)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
+                   help="Ray GPUs each replica asks for (0: CPU replicas)")
     r.add_argument("--routing", choices=("affinity", "least-loaded", "random"), default="affinity",
                    help="affinity: a request goes to the replica that holds its tenant's prefix unless that replica "
                         "is hot; least-loaded and random are baselines")
@@ -108,10 +110,10 @@ def _serve(app: Any, args: argparse.Namespace) -> None:
 def _scale_out(args: argparse.Namespace) -> Any:
     """The replicas' plan, or None for one in-process engine; a missing Ray is one sentence, at once."""
     if args.replicas is None:
-        if args.ray_address or args.replica_threads or args.replica_cpus:
+        if args.ray_address or args.replica_threads or args.replica_cpus or args.replica_gpus:
             from isolab.scaleout import ScaleOutError
 
-            raise ScaleOutError("--ray-address, --replica-threads and --replica-cpus need --replicas N")
+            raise ScaleOutError("--ray-address and the --replica-* options need --replicas N")
         return None
     import os
 
@@ -120,7 +122,7 @@ def _scale_out(args: argparse.Namespace) -> Any:
     require_ray()
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // max(1, args.replicas))
     return ScaleOut(replicas=args.replicas, threads_per_replica=threads, ray_address=args.ray_address,
-                    cpus_per_replica=args.replica_cpus, routing=RoutingConfig(policy=args.routing))
+                    cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus, routing=RoutingConfig(policy=args.routing))
 
 
 def _read_template(path: str | None) -> str | None:

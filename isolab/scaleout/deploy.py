@@ -2,7 +2,8 @@
 
     deploy(engine config, ScaleOut) -> (ReplicaSet, ReplicaFacts)
       ray.init(address or a local instance) -> serve.start(no HTTP proxy: isolab's own app is the API)
-      -> serve.run_many: apps isolab-replica-0..N-1, each one EngineReplica (Serve restarts a dead one)
+      -> serve.run_many: apps isolab-ID-replica-0..N-1 (ID: this server's), each one EngineReplica;
+         Serve restarts a dead one; two isolab servers on one cluster never touch each other's apps
       -> replica 0's facts (tokenizer path, limits, numerics) for the ingress
 
 One app per replica (not one deployment of N replicas behind Serve's own router): the ingress picks
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,6 @@ from isolab.scaleout.wire import ReplicaFacts
 
 log = logging.getLogger("isolab.scaleout")
 
-APP_PREFIX = "isolab-replica-"
 RAY_MISSING = ("--replicas needs Ray Serve, an optional extra: pip install 'isolab[ray]' "
                "(or `make setup`, which installs it)")
 
@@ -41,6 +42,7 @@ class ScaleOut:
     threads_per_replica: int  # torch / OpenMP threads in each replica
     ray_address: str | None = None  # None: a local Ray instance, started here and stopped with the server
     cpus_per_replica: float | None = None  # Ray's logical CPUs a replica asks for (None: its threads)
+    gpus_per_replica: float = 0.0  # Ray GPUs a replica asks for (its engine then picks cuda)
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
     health_check_period_s: float = 2.0
     poll_s: float = 0.5
@@ -66,6 +68,7 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
     started_ray = not ray.is_initialized()
+    prefix = f"isolab-{uuid.uuid4().hex[:8]}-replica-"
     if started_ray:
         if plan.ray_address is None:
             # Logical CPUs: enough for every replica here (on this machine they share its cores; say so).
@@ -77,25 +80,29 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
     try:
         serve.start(proxy_location="Disabled")
         cpus = plan.cpus_per_replica if plan.cpus_per_replica is not None else float(plan.threads_per_replica)
+        actor_options: dict[str, Any] = {
+            "num_cpus": cpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(plan.threads_per_replica)}}}
+        if plan.gpus_per_replica:
+            actor_options["num_gpus"] = plan.gpus_per_replica
         deployment = serve.deployment(
             EngineReplica, name="engine", num_replicas=1, max_ongoing_requests=capacity_per_replica + 16,
             health_check_period_s=plan.health_check_period_s, health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=5.0, max_constructor_retry_count=2,
-            ray_actor_options={"num_cpus": cpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(plan.threads_per_replica)}}},
+            ray_actor_options=actor_options,
             logging_config={"log_level": "WARNING", "enable_access_log": False},
         )
         targets = [serve.RunTarget(deployment.bind(_for_replica(config, i), i, plan.threads_per_replica),
-                                   name=f"{APP_PREFIX}{i}", route_prefix=None) for i in range(plan.replicas)]
+                                   name=f"{prefix}{i}", route_prefix=None) for i in range(plan.replicas)]
         handles = serve.run_many(targets)
         facts: ReplicaFacts = handles[0].facts.remote().result(timeout_s=300)
     except Exception as exc:
-        _teardown(started_ray)
+        _teardown(prefix, started_ray)
         if isinstance(exc, IsolabError):
             raise
         raise ScaleOutError(f"the engine replicas did not start ({type(exc).__name__}: {str(exc)[:300]})") from exc
     replicas = ReplicaSet(handles, Router(plan.replicas, dataclasses.replace(plan.routing,
                                                                               block_size=config.cache.block_size)),
-                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(started_ray))
+                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(prefix, started_ray))
     log.info("%d engine replica(s) on Ray Serve, %d thread(s) each, routing %s", plan.replicas,
              plan.threads_per_replica, plan.routing.policy)
     return replicas, facts
@@ -108,12 +115,12 @@ def _for_replica(config: EngineConfig, index: int) -> EngineConfig:
     return dataclasses.replace(config, trace_path=f"{config.trace_path}.replica{index}")
 
 
-def _teardown(started_ray: bool) -> None:
+def _teardown(prefix: str, started_ray: bool) -> None:
     import ray
     from ray import serve
 
     for name in list(serve.status().applications):
-        if name.startswith(APP_PREFIX):
+        if name.startswith(prefix):
             try:
                 serve.delete(name, _blocking=True)
             except Exception:  # the cluster may be going away already

@@ -182,7 +182,11 @@ class ReplicaSet(AdmissionBound):
             if stream.pending:  # the stream ended early: never leave a consumer waiting
                 raise IsolabError("the replica's stream ended before its requests did")
         except asyncio.CancelledError:
-            pass  # aborted: the consumer is gone
+            if self._stopping:  # shutdown: a consumer still reading gets its end, as one engine does it
+                for rid in sorted(stream.pending):
+                    queue.put_nowait(RequestOutput(rid, (), (), (), True, "abort", None, 0, 0,
+                                                   RequestAborted("the server is shutting down")))
+            # else aborted: the consumer is gone
         except Exception as exc:
             replica = stream.replica
             replica.failed_streams += 1

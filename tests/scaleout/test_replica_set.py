@@ -131,11 +131,12 @@ def test_abort_frees_the_replicas_blocks(fakes):
         rs.abort(["c-0", "c-1"])  # the client went away
         await wait_for(lambda: idle(home))
         await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas) and not rs._streams)
-        q = await rs.submit([req("d-0", max_tokens=400), req("d-1", max_tokens=8)], "t:bob")
+        q = await rs.submit([req("d-0", max_tokens=400), req("d-1", max_tokens=100)], "t:bob")
         await asyncio.wait_for(q.get(), 30)
         rs.abort(["d-0"])  # a part of a call: aborted on its replica, the rest goes on
-        outs = await drain(q, ["d-0", "d-1"])
-        assert {o.request_id: o.finish_reason for o in outs if o.finished} == {"d-0": "abort", "d-1": "length"}
+        outs = await drain(q, ["d-1"])
+        assert [o.finish_reason for o in outs if o.request_id == "d-1" and o.finished] == ["length"]
+        await wait_for(lambda: idle(home))
     asyncio.run(main())
 
 

@@ -17,5 +17,7 @@ def test_replicas_without_ray_says_how_to_get_it(monkeypatch, capsys):
 def test_ray_flags_need_replicas(capsys):
     assert main(["serve", "--ray-address", "auto", "--no-auth"]) == 2
     assert "need --replicas N" in capsys.readouterr().err
+    assert main(["serve", "--replica-threads", "2", "--no-auth"]) == 2
+    capsys.readouterr()
     assert main(["serve", "--replicas", "0", "--no-auth"]) == 2
     assert "--replicas must be at least 1" in capsys.readouterr().err
