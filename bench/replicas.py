@@ -107,6 +107,8 @@ def main() -> int:
     p.add_argument("--prefixes", type=int, default=32)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--part", choices=("all", "affinity", "throughput"), default="all",
+                   help="run one part; the other's figures in --out are kept")
     p.add_argument("--out", default=str(ROOT / "bench/results/replicas.json"))
     args = p.parse_args()
     try:
@@ -114,38 +116,52 @@ def main() -> int:
     except ImportError:
         print("bench/replicas.py needs the ray extra: pip install 'isolab[ray]'")
         return 0
-    result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                              "workload": vars(args), "affinity": {}, "throughput": {}}
+    out = Path(args.out)
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() and args.part != "all" else {}
+    result.update({"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "workload": vars(args)})
+    if args.part in ("all", "affinity"):
+        result["affinity"] = affinity(args.prefixes)
+    if args.part in ("all", "throughput"):
+        result["throughput"] = scaling(args.requests, args.concurrency)
+        base = result["throughput"]["1 replica x 2 threads"]["output_tokens_per_s"]
+        result["ratio_2x1_over_1x2"] = result["throughput"]["2 replicas x 1 thread"]["output_tokens_per_s"] / base
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n| routing (2 replicas) | repeats hitting the cache |\n|---|---|")
+    for routing, f in result.get("affinity", {}).items():
+        print(f"| {routing} | {f['repeats_with_cached_tokens']}/{f['repeats']} ({f['hit_rate']:.0%}) |")
+    print("\n| server | tok/s | ITL p50 | TTFT p50 | start |\n|---|---|---|---|---|")
+    for name, f in result.get("throughput", {}).items():
+        print(f"| {name} | {f['output_tokens_per_s']:.1f} | {f['itl_p50_s'] * 1000:.0f} ms | "
+              f"{f['ttft_p50_s']:.2f} s | {f['start_s']} s |")
+    print(f"\nwrote {out}")
+    return 0
+
+
+def affinity(num_prefixes: int) -> dict[str, Any]:
+    figures = {}
     for routing in ("affinity", "random"):
         s = Server("--replicas", "2", "--routing", routing)
         try:
-            result["affinity"][routing] = repeat_hit_rate(s, args.prefixes)
+            figures[routing] = repeat_hit_rate(s, num_prefixes)
         finally:
             s.stop()
-        print(f"2 replicas, routing {routing}: {result['affinity'][routing]}", flush=True)
+        print(f"2 replicas, routing {routing}: {figures[routing]}", flush=True)
+    return figures
+
+
+def scaling(requests: int, concurrency: int) -> dict[str, Any]:
+    figures = {}
     for name, server_args in (("one engine, 2 threads (no Ray)", ()),
                               ("1 replica x 2 threads", ("--replicas", "1", "--replica-threads", "2")),
                               ("2 replicas x 1 thread", ("--replicas", "2", "--replica-threads", "1"))):
         s = Server(*server_args)
         try:
-            figures = throughput(s, args.requests, args.concurrency)
-            figures["start_s"] = round(s.start_s, 1)
-            result["throughput"][name] = figures
+            figures[name] = throughput(s, requests, concurrency)
+            figures[name]["start_s"] = round(s.start_s, 1)
         finally:
             s.stop()
-        print(f"{name}: {figures}", flush=True)
-    base = result["throughput"]["1 replica x 2 threads"]["output_tokens_per_s"]
-    result["ratio_2x1_over_1x2"] = result["throughput"]["2 replicas x 1 thread"]["output_tokens_per_s"] / base
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("\n| routing (2 replicas) | repeats hitting the cache |\n|---|---|")
-    for routing, f in result["affinity"].items():
-        print(f"| {routing} | {f['repeats_with_cached_tokens']}/{f['repeats']} ({f['hit_rate']:.0%}) |")
-    print("\n| server | tok/s | ITL p50 | TTFT p50 | start |\n|---|---|---|---|---|")
-    for name, f in result["throughput"].items():
-        print(f"| {name} | {f['output_tokens_per_s']:.1f} | {f['itl_p50_s'] * 1000:.0f} ms | "
-              f"{f['ttft_p50_s']:.2f} s | {f['start_s']} s |")
-    print(f"\nwrote {args.out}")
-    return 0
+        print(f"{name}: {figures[name]}", flush=True)
+    return figures
 
 
 if __name__ == "__main__":
