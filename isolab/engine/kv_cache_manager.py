@@ -125,7 +125,8 @@ class KVCacheManager:
 
     # -- lookup -----------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> CachedPrefix:
-        """The longest run of cached blocks that starts the request's tokens."""
+        """The longest prefix of the request's tokens whose blocks every group would read next are
+        cached: full-attention groups all its blocks, window groups those of its last window."""
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return NO_PREFIX  # prompt logprobs need every prompt position computed
         bs = self.block_size

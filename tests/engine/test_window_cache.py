@@ -185,3 +185,17 @@ def test_manager_hit_is_shorter_when_a_window_block_was_evicted():
     assert prefix.num_tokens < 16  # block 3's window copy is gone: the hit stops before it
     m.pool.release(taken, "x")
     m.pool.check_invariants()
+
+
+CACHE_FAULTS = ("reuse-without-invalidate", "coarse-key", "weak-hash", "no-scope", "write-shared")
+
+
+@pytest.mark.parametrize("fault", CACHE_FAULTS)
+def test_the_cache_faults_are_caught_on_the_window_cache(gemma_bundle, fault):
+    """The catalogue's cache faults reach every KV group: each scenario stays silent on the healthy
+    tiny Gemma 3 (six groups) and is caught with its fault on."""
+    from isolab.engine.selftest import SCENARIOS, run_scenario
+
+    sc = next(s for s in SCENARIOS if s.fault == fault)
+    assert not run_scenario(gemma_bundle, sc).caught
+    assert run_scenario(gemma_bundle, sc, frozenset([fault])).caught
