@@ -7,7 +7,8 @@ Engine mode (the default): the real Gemma 3 270M (bf16, CPU) runs one request of
 tokens and `--max-tokens` new ones, once with the window cache and once without (--no-window-cache);
 after every step the blocks the request holds are read per KV cache group from the engine's cache
 manager, and the peak, times each group's bytes a block, is the request's KV memory. The two runs'
-tokens and logprobs are compared bit for bit. --accounting-only drives the same allocations (the
+tokens and logprobs are compared bit for bit (the seconds are the two runs' wall times on a shared
+machine, not a claim). --accounting-only drives the same allocations (the
 scheduler's chunks, the cache manager, the pool) on the real hyper-parameters without a forward.
 """
 
@@ -87,7 +88,10 @@ def main() -> int:
     ap.add_argument("--accounting-only", action="store_true")
     ap.add_argument("--json", default="bench/results/window_cache.json")
     args = ap.parse_args()
+    import torch
+
     from isolab.models.bundle import load_bundle
+    from isolab.models.invariance import cpu_description
 
     bundle = load_bundle(args.model, "bf16", "cpu")
     hp = bundle.hparams
@@ -96,7 +100,7 @@ def main() -> int:
             for name, wc in (("with", True), ("without", False))}
     same = runs["with"].pop("output") == runs["without"].pop("output")
     result = {
-        "model": args.model, "dtype": "bf16", "block_size": 16, "max_num_batched_tokens": 512,
+        "model": args.model, "cpu": cpu_description(), "threads": torch.get_num_threads(), "dtype": "bf16", "block_size": 16, "max_num_batched_tokens": 512,
         "prompt_tokens": args.tokens, "max_tokens": args.max_tokens,
         "how": "engine: real forward, peak blocks held per KV group read after every step" if forward
         else "accounting: the scheduler's and cache manager's allocations on the real hparams, no forward",

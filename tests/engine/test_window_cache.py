@@ -64,8 +64,24 @@ def test_first_needed_block_arithmetic():
     assert first_needed_block(1000, 0, 4) == 0  # full attention keeps everything
 
 
-def test_logits_equal_the_full_cache_past_the_window(gemma_bundle):
+@pytest.fixture(scope="module")
+def gemma_torch_path(gemma_bundle):
+    """The same model on the torch path (no native kernels): gathers and a masked attention_core."""
+    import dataclasses
+
+    from isolab.models.gguf_loader import load_gguf
+    from isolab.models.llama import LlamaModel
+
+    model = LlamaModel(load_gguf(str(gemma_bundle.path)), "bf16", "cpu", native=False)
+    return dataclasses.replace(gemma_bundle, model=model)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_logits_equal_the_full_cache_past_the_window(gemma_bundle, gemma_torch_path, path):
     """(1) a 150-token prompt (six windows), chunked, then decode: tokens and top-5 logprobs bit for bit."""
+    if path == "torch":
+        gemma_bundle = gemma_torch_path
+    assert gemma_bundle.model.native_kernels == (path == "native")
     arrivals = [Arrival(0, "long", _prompt(gemma_bundle, 150), GREEDY),
                 Arrival(3, "other", _prompt(gemma_bundle, 70, seed=1), GREEDY)]
     with_window = drive(_engine(gemma_bundle), arrivals, check_invariants=True).finished
