@@ -225,10 +225,11 @@ class KVCacheManager:
         if sum(needs) + idle_hits > self.pool.num_free_blocks:  # attaching idle hits takes them off the free queue
             return False
         self._tables.setdefault(request.request_id, tables)
-        for g, table in enumerate(tables):
-            for block in prefix.group_blocks(g):
+        for g, table in enumerate(tables):  # every group's hits leave the free queue before any allocation,
+            for block in prefix.group_blocks(g):  # which would otherwise evict one of them
                 self.pool.touch(block, request.request_id, request.scope)
                 table.append(BlockRef(block, block.generation))
+        for g, table in enumerate(tables):
             for block in self.pool.allocate(needs[g], request.request_id, request.scope):
                 table.append(BlockRef(block, block.generation))
         return True

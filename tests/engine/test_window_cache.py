@@ -215,3 +215,21 @@ def test_the_cache_faults_are_caught_on_the_window_cache(gemma_bundle, fault):
     sc = next(s for s in SCENARIOS if s.fault == fault)
     assert not run_scenario(gemma_bundle, sc).caught
     assert run_scenario(gemma_bundle, sc, frozenset([fault])).caught
+
+
+def test_every_groups_hits_leave_the_free_queue_before_any_allocation():
+    """Regression (found by the window state machine): group 0's allocation popped group 1's idle
+    hit off the free queue, so one block was a hit and a new block at once (2 holders, ALLOCATED)."""
+    m = _mgr(num_blocks=7)
+    a = _req("a", range(10, 18))  # 8 tokens: group 0 blocks [1, 2], group 1 [3, 4], all sealed
+    _step(m, a, 0, 8)
+    spare = m.pool.allocate(2, "x", None)  # 5, 6
+    m.free(a)
+    m.pool.release(spare, "x")
+    assert list(m.pool.free_queue) == [2, 1, 4, 3, 5, 6]
+    b = _req("b", list(range(10, 18)) + [99])
+    prefix = m.get_computed_blocks(b)
+    assert prefix.num_tokens == 8
+    _step(m, b, 8, 1, prefix)
+    assert m.block_table(b, group=0) == [1, 2, 5] and m.block_table(b, group=1) == [3, 4, 6]
+    m.pool.check_invariants()
