@@ -86,7 +86,7 @@ def test_engine_guarantees_on_native_weights():
 
 def test_the_window_cache_is_bit_exact_past_the_window():
     """Local layers keep only their window's blocks: 700 prompt tokens + 8, tokens and logprobs
-    bit for bit those of the full cache."""
+    bit for bit those of the full cache; a prefix hit past the window bit for bit a miss."""
     from isolab.llm import LLM
     from isolab.models.bundle import load_bundle
     from isolab.sampling_params import SamplingParams
@@ -100,3 +100,11 @@ def test_the_window_cache_is_bit_exact_past_the_window():
         outs[wc] = llm.generate([ids], params)[0]
         assert llm.engine.kv.num_held_blocks() == 0
     assert outs[True].token_ids == outs[False].token_ids and outs[True].logprobs == outs[False].logprobs
+    # a prefix hit past the window (640 cached tokens: the global blocks, the local windows) == a miss
+    longer = ids[:640] + bundle.tokenizer.encode(" and then")
+    warm_llm = LLM(bundle=bundle, kv_cache_memory=64 << 20)
+    warm_llm.generate([ids], params)
+    warm = warm_llm.generate([longer], params)[0]
+    cold = LLM(bundle=bundle, kv_cache_memory=64 << 20, enable_prefix_caching=False).generate([longer], params)[0]
+    assert warm.num_cached_tokens == 640
+    assert warm.token_ids == cold.token_ids and warm.logprobs == cold.logprobs
