@@ -29,6 +29,9 @@ class CacheConfig:
     # first written, so an idle server's RSS does not grow with it.
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     enable_prefix_caching: bool = True
+    # Sliding-window layers (Gemma 3's local ones) keep only the blocks their window still reads
+    # (engine/kv_groups.py); off: every layer keeps every block. No effect on models without them.
+    window_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -89,6 +92,7 @@ def build_engine_config(
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
     block_size: int = 16,
     enable_prefix_caching: bool = True,
+    window_cache: bool = True,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int = 512,
     max_model_len: int | None = None,
@@ -99,7 +103,7 @@ def build_engine_config(
     """The one way the CLI, `LLM` and the server build an EngineConfig from flat options."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, gemm=gemm, weights=weights,
-        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching),
+        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         max_model_len=max_model_len, audit=audit, inject_faults=frozenset(inject_faults), trace_path=trace_path,
     )

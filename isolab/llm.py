@@ -46,6 +46,7 @@ class LLM:
         kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        window_cache: bool = True,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
@@ -56,7 +57,8 @@ class LLM:
     ) -> None:
         self.config = build_engine_config(
             model=model, dtype=dtype, device=device, gemm=gemm, weights=weights, kv_cache_memory=kv_cache_memory,
-            block_size=block_size, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching, window_cache=window_cache,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
             inject_faults=tuple(inject_faults), trace_path=trace_path,
         )

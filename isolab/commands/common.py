@@ -39,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    g.add_argument("--no-window-cache", action="store_true",
+                   help="sliding-window layers (Gemma 3's local ones) keep every block, not only their window's")
     g.add_argument("--audit", action="store_true", help="check writer tags on every read; poison freed blocks")
     g.add_argument("--inject-fault", action="append", default=[], choices=sorted(FAULTS), metavar="NAME",
                    help=f"switch one protection off (repeatable): {', '.join(FAULTS)}")
@@ -55,6 +57,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_cache,
+        window_cache=not args.no_window_cache,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -6,14 +6,18 @@ Before each forward, for every scheduled chunk:
   * reads: every block in the request's context must be the life it attached, and either its
     own (ALLOCATED, writer = reader) or SEALED with the reader's scope, the reader's tokens and
     an intact checksum.
+  * KV cache groups (kv_groups.py): every group's table is checked; a sliding-window group's
+    entries before the chunk's window (kv_groups.first_needed_block) are not read (the manager has
+    released them); every entry it reads must be a block the reader still holds, never the null block.
 A violation names the reader, the block and the writer. Freed blocks are NaN-poisoned by the
 pool, so a read the tags miss still shows up as NaN.
 """
 
 from __future__ import annotations
 
-from isolab.engine.block_pool import BlockState, KVBlock
+from isolab.engine.block_pool import NULL_BLOCK_ID, BlockState, KVBlock
 from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_groups import first_needed_block
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.request import Request
 from isolab.engine.step import ScheduledChunk
@@ -40,16 +44,30 @@ class Auditor:
         self._verified: set[tuple[str, int, int]] = set()  # (reader, block, generation) whose checksum held
 
     def check_chunk(self, ch: ScheduledChunk) -> IsolationViolation | None:
+        for group, window in enumerate(self.kv.windows):
+            v = self._check_group(ch, group, window)
+            if v is not None:
+                return v
+        return None
+
+    def _check_group(self, ch: ScheduledChunk, group: int, window: int) -> IsolationViolation | None:
         req, bs = ch.request, self.kv.block_size
-        table = self.kv.held_blocks(req)
+        table = self.kv.held_blocks(req, group)
+        first_read = first_needed_block(ch.start, window, bs)  # 0 for full attention
         first_write = ch.start // bs
         last = (ch.start + ch.num_new_tokens - 1) // bs
         for i in range(last + 1):
             ref = table[i]
             b = ref.block
             self.num_checks += 1
+            if i < first_read:
+                continue  # outside every query's window: not read (the null block once released)
+            if b.block_id == NULL_BLOCK_ID:
+                return self._record(_violation("read", req, b, f"a released entry {i} of KV group {group} is in the window"))
             if ref.generation != b.generation:
                 return self._record(_violation("read", req, b, f"the block was reused since generation {ref.generation}"))
+            if b.ref_cnt == 0:
+                return self._record(_violation("read", req, b, "the reader released the block: nobody holds it"))
             own = b.state is BlockState.ALLOCATED and b.writer == req.request_id
             if i >= first_write:
                 if not own or b.ref_cnt != 1:

@@ -7,6 +7,10 @@ different field lists encode to the same bytes (the ambiguity behind vllm#44701,
 "X" hit the adapter "X"). The extra keys name everything besides the tokens that shapes a
 block's K/V values: the weights (fingerprint), the compute dtype, and the request's cache scope
 (the tenant). Requests of different scopes therefore never share a block.
+
+With several KV cache groups (kv_groups.py), group g > 0's block i is cached under
+SHA-256( enc(g) || enc(key i) ): a block is only found by the group whose layers it holds.
+Group 0's key is the chain key itself (a model of one group keys its blocks as it always did).
 """
 
 from __future__ import annotations
@@ -66,6 +70,13 @@ def coarse_block_key(parent: BlockKey | None, num_tokens: int, extra: ExtraKeys)
     return BlockKey(hashlib.sha256(payload).digest())
 
 
+def group_block_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of a block of KV cache group `group` whose chain key is `key` (group 0: key itself)."""
+    if group == 0:
+        return key
+    return BlockKey(hashlib.sha256(_field(_TAG_INT, struct.pack(">q", group)) + _field(_TAG_BYTES, key)).digest())
+
+
 def weak(key: BlockKey) -> BlockKey:
     """FAULT weak-hash: the key truncated to 8 bits (256 buckets: collisions are certain)."""
     return BlockKey(key[:1])
@@ -83,3 +94,8 @@ class KeyPolicy:
         else:
             k = block_key(parent, token_ids, extra, with_scope=not self.faults.no_scope)
         return weak(k) if self.faults.weak_hash else k
+
+    def group_key(self, key: BlockKey, group: int) -> BlockKey:
+        """Group `group`'s cache key for the block whose (policy-made) chain key is `key`."""
+        k = group_block_key(key, group)
+        return weak(k) if self.faults.weak_hash and group else k

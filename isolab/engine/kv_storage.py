@@ -1,4 +1,8 @@
-"""Owns the K/V tensors of the paged pool: one (2, Hkv, num_blocks, block_size, Dh) tensor per layer.
+"""Owns the K/V tensors of the paged pool: one (2, Hkv, num_blocks, block_size, Dh) tensor per slot.
+
+A slot is one layer of a KV cache group (kv_groups.py): with one group (no window cache) a slot per
+layer, as always; with several, every group's k-th layer shares slot k, since a block is held by
+one group at a time. `layers[L]` is layer L's slot tensor.
 
 Head-major: each (head, block) is one contiguous run of block_size * Dh values, laid out inside
 for whichever attention reads it (models/llama.py:write_kv: the native kernel's dot products, or
@@ -15,27 +19,37 @@ import math
 import numpy as np
 import torch
 
+from isolab.engine.kv_groups import KVGroup
 from isolab.models.gguf_loader import LlamaHParams
 
 
-def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype, layers_per_block: int | None = None) -> int:
+    """A block's K/V bytes: `layers_per_block` layers (a KV group's size; None: every layer)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return hp.num_layers * 2 * block_size * hp.num_kv_heads * hp.head_dim * elem
+    layers = hp.num_layers if layers_per_block is None else layers_per_block
+    return layers * 2 * block_size * hp.num_kv_heads * hp.head_dim * elem
 
 
-def kv_cache_memory_for(hp: LlamaHParams, block_size: int, dtype: torch.dtype, usable_blocks: int) -> int:
+def kv_cache_memory_for(hp: LlamaHParams, block_size: int, dtype: torch.dtype, usable_blocks: int,
+                        layers_per_block: int | None = None) -> int:
     """The kv_cache_memory that gives a pool of exactly `usable_blocks` blocks requests can hold:
     the pool keeps one block more, the null block (block_pool.py), that no request ever holds."""
-    return bytes_per_block(hp, block_size, dtype) * (usable_blocks + 1)
+    return bytes_per_block(hp, block_size, dtype, layers_per_block) * (usable_blocks + 1)
 
 
 class KVStorage:
-    def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hp: LlamaHParams, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 groups: tuple[KVGroup, ...] | None = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # per layer: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
+        groups = groups or (KVGroup(tuple(range(hp.num_layers)), 0),)
+        size = len(groups[0].layers)
+        assert all(len(g.layers) == size for g in groups), "every group holds the same number of layers"
+        # per slot: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
         shape = (2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim)
-        self.layers = [_zeros(shape, dtype, device) for _ in range(hp.num_layers)]
+        self.slots = [_zeros(shape, dtype, device) for _ in range(size)]
+        slot_of = {layer: k for g in groups for k, layer in enumerate(g.layers)}
+        self.layers = [self.slots[slot_of[i]] for i in range(hp.num_layers)]
         self._pointers = None  # (k, v) C arrays of the layers' pools, for the one-call forward
 
     def pool_pointers(self):
@@ -48,21 +62,21 @@ class KVStorage:
         return self._pointers
 
     def clear(self, block_id: int) -> None:
-        for kv in self.layers:
+        for kv in self.slots:
             kv[:, :, block_id].zero_()
 
     def poison(self, block_id: int) -> None:
-        for kv in self.layers:
+        for kv in self.slots:
             kv[:, :, block_id].fill_(float("nan"))
 
     def checksum(self, block_id: int) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
-        for kv in self.layers:
+        for kv in self.slots:
             digest.update(kv[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return digest.digest()
 
     def has_nan(self, block_id: int) -> bool:
-        return any(bool(torch.isnan(kv[:, :, block_id]).any()) for kv in self.layers)
+        return any(bool(torch.isnan(kv[:, :, block_id]).any()) for kv in self.slots)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from isolab.engine.detokenize import Detokenizer
 from isolab.engine.events import EventSink, JsonlSink, NullSink
 from isolab.engine.grammar import GrammarCompiler
 from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_groups import kv_groups
 from isolab.engine.kv_storage import KVStorage, bytes_per_block
 from isolab.engine.model_runner import ModelRunner
 from isolab.engine.request import Request, RequestStatus, TokenLogprob
@@ -65,7 +66,8 @@ class LLMEngine:
         self.model = self.bundle.model
         self.max_model_len = min(config.max_model_len or hp.context_length, hp.context_length)
         cc = config.cache
-        per_block = bytes_per_block(hp, cc.block_size, self.model.dtype)
+        self.kv_groups = kv_groups(hp, cc.window_cache)
+        per_block = bytes_per_block(hp, cc.block_size, self.model.dtype, len(self.kv_groups[0].layers))
         num_blocks = cc.kv_cache_memory // per_block
         if num_blocks < 2:
             raise InvalidRequestError(
@@ -73,7 +75,7 @@ class LLMEngine:
                 field="kv_cache_memory",
             )
         self.events: EventSink = JsonlSink(config.trace_path) if config.trace_path else NullSink()
-        self.storage = KVStorage(hp, num_blocks, cc.block_size, self.model.dtype, self.model.device)
+        self.storage = KVStorage(hp, num_blocks, cc.block_size, self.model.dtype, self.model.device, self.kv_groups)
         self.pool = BlockPool(
             num_blocks,
             storage=self.storage,
@@ -88,10 +90,11 @@ class LLMEngine:
             dtype=self.bundle.numerics_key,
             enable_prefix_caching=cc.enable_prefix_caching,
             faults=faults,
+            windows=tuple(g.window for g in self.kv_groups),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len,
                                    end_of_turn=self.tokenizer.end_of_turn_ids)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id, self.kv_groups)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None
@@ -121,7 +124,7 @@ class LLMEngine:
                 f"context of {self.max_model_len} tokens",
                 field="prompt",
             )
-        blocks = self.kv.num_blocks_needed(n + params.max_tokens)
+        blocks = self.kv.max_blocks_needed(n + params.max_tokens, self.config.scheduler.max_num_batched_tokens)
         if blocks > self.pool.num_usable_blocks:
             raise PromptTooLongError(
                 f"the request needs {blocks} KV blocks ({n} prompt tokens + {params.max_tokens} new) but the "

@@ -10,6 +10,9 @@ Native path (CPU): every row hands the kernel its chunk's block table and its po
 kernel reads keys 0..position in place, one row at a time, so a row's bits never depend on what
 else is in the step, in bf16 and fp32 alike (isolab/kernels).
 
+KV cache groups (kv_groups.py): each layer reads and writes its group's block tables and slots;
+with one group (every model but Gemma 3 with the window cache) that is the one table.
+
 Torch path (no kernel, e.g. CUDA): attention groups. All single-token chunks (decode) attend
 together, padded to the longest block table; each multi-token chunk attends alone. Padding points
 at the null block (zeros) and is masked (bf16 keeps a row's bits; see llama.py).
@@ -23,6 +26,7 @@ import torch
 
 from isolab import kernels
 from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_groups import KVGroup
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.request import Request, TokenLogprob
 from isolab.engine.sampler import make_generator, sample
@@ -58,32 +62,36 @@ class PagedAttention:
     (no kernel, e.g. CUDA): gather each group's blocks, then attention_core with a causal mask.
     """
 
-    def __init__(self, storage: KVStorage, slot_mapping: torch.Tensor, scale: float,
-                 native: NativeTables | None, groups: list[AttentionGroup]) -> None:
+    def __init__(self, storage: KVStorage, slot_mappings: list[torch.Tensor], scale: float,
+                 native: list[NativeTables] | None, groups: list[list[AttentionGroup]], group_of_layer: list[int]) -> None:
         self.storage = storage
-        self.slot_mapping = slot_mapping  # (N,) flat slot of each new token
+        self.slot_mappings = slot_mappings  # per KV group: (N,) flat slot of each new token
         self.scale = scale
-        self.native = native
-        self.groups = groups
+        self.native = native  # per KV group
+        self.groups = groups  # per KV group: its attention groups (torch path)
+        self.group_of_layer = group_of_layer  # layer -> its KV group
 
     def fused(self) -> FusedAttention | None:
         """What the one-call native forward needs (models/llama.py); None on the torch path."""
         if self.native is None:
             return None
-        n, kv = self.native, self.storage.layers[0]
+        assert len(self.native) == 1, "the one-call forward runs models of one KV group"
+        n, kv = self.native[0], self.storage.layers[0]
         k_pools, v_pools = self.storage.pool_pointers()
-        return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mapping, kv.shape[2],
+        return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mappings[0], kv.shape[2],
                               kv.shape[3], self.scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them
+        group = self.group_of_layer[layer]
+        slot_mapping = self.slot_mappings[group]
         if self.native is not None:
-            n = self.native
+            n = self.native[group]
             return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,
-                                           new_kv=(k, v, self.slot_mapping), window=window)
-        write_kv(kv, self.slot_mapping, k, v, native=False)
+                                           new_kv=(k, v, slot_mapping), window=window)
+        write_kv(kv, slot_mapping, k, v, native=False)
         out = torch.empty_like(q)
-        for g in self.groups:
+        for g in self.groups[group]:
             kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
             o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden, window)  # (B, T, H, Dh)
             out[g.rows.view(-1)] = o.view(-1, *o.shape[2:])
@@ -104,10 +112,16 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, faults: Faults = Faults(),
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, kv_groups: tuple[KVGroup, ...] | None = None) -> None:
         self.model = model
         self.storage = storage
         self.kv = kv
+        kv_groups = kv_groups or (KVGroup(tuple(range(model.hp.num_layers)), 0),)
+        assert len(kv_groups) == kv.num_groups
+        self.group_of_layer = [0] * model.hp.num_layers
+        for g, group in enumerate(kv_groups):
+            for layer in group.layers:
+                self.group_of_layer[layer] = g
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
         self.eos_token_id = eos_token_id  # min_tokens masks it
@@ -170,8 +184,9 @@ class ModelRunner:
         """The step's tensors: what the forward reads, built from the chunks and the cache manager."""
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []  # the context blocks of each chunk
+        num_groups = self.kv.num_groups
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]  # per KV group: the context blocks of each chunk
         row_chunk: list[int] = []  # native path: the chunk of each row
         last_rows: list[int] = []
         prompt_rows: list[int] = []
@@ -186,21 +201,25 @@ class ModelRunner:
                     prompt_spans.append((req, ch.start + 1, n))
             token_ids.extend(req.token_ids[ch.start : ch.end])
             positions.extend(range(ch.start, ch.end))
-            slots.extend(self.kv.slot_mapping(req, ch.start, ch.num_new_tokens))
-            tables.append(self.kv.block_table(req, ch.end))
+            for g in range(num_groups):
+                slots[g].extend(self.kv.slot_mapping(req, ch.start, ch.num_new_tokens, g))
+                tables[g].append(self.kv.block_table(req, ch.end, g))
             row_chunk.extend([ci] * ch.num_new_tokens)
             if ch.samples:
                 last_rows.append(len(token_ids) - 1)
-        slot_mapping = torch.tensor(slots, device=dev)
+        slot_mappings = [torch.tensor(s, device=dev) for s in slots]
         if self.model.native_kernels:
-            width = max(len(t) for t in tables)
-            attn = PagedAttention(self.storage, slot_mapping, self.scale, NativeTables(
-                torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-                torch.tensor(row_chunk, dtype=torch.int32, device=dev),
-                torch.tensor(positions, dtype=torch.int32, device=dev),
-            ), [])
+            row_table = torch.tensor(row_chunk, dtype=torch.int32, device=dev)
+            q_pos = torch.tensor(positions, dtype=torch.int32, device=dev)
+            native = []
+            for group_tables in tables:
+                width = max(len(t) for t in group_tables)
+                native.append(NativeTables(torch.tensor([t + [0] * (width - len(t)) for t in group_tables],
+                                                        dtype=torch.int32, device=dev), row_table, q_pos))
+            attn = PagedAttention(self.storage, slot_mappings, self.scale, native, [], self.group_of_layer)
         else:
-            attn = PagedAttention(self.storage, slot_mapping, self.scale, None, self._torch_groups(out, tables))
+            attn = PagedAttention(self.storage, slot_mappings, self.scale, None,
+                                  [self._torch_groups(out, t) for t in tables], self.group_of_layer)
         return StepInputs(
             torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn,
             torch.tensor(last_rows, device=dev) if last_rows else None,

@@ -43,8 +43,9 @@ class TinySpec:
     rope_theta: float = 10000.0
     seed: int = 0
     qtype: str = "F32"  # type of the 2-D weight matrices: F32, F16, BF16, Q8_0, Q4_0, Q4_1
-    arch: str = "llama"
+    arch: str = "llama"  # or "gemma3": norms after attention and the MLP, q/k norms, a sliding window
     tied: bool = True
+    sliding_window: int = 0  # gemma3: the local layers' window (5 of every 6 layers are local)
 
 
 def tiny_vocab() -> list[str]:
@@ -148,6 +149,12 @@ def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
+    gemma = spec.arch == "gemma3"
+    if gemma:
+        assert spec.sliding_window > 0, "a tiny gemma3 needs its sliding window"
+        w.add_sliding_window(spec.sliding_window)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     _write_tokenizer(w)
 
     qtype = getattr(gguf.GGMLQuantizationType, spec.qtype)
@@ -181,6 +188,11 @@ def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         mat(p + "ffn_gate.weight", F_, D, s)
         mat(p + "ffn_up.weight", F_, D, s)
         mat(p + "ffn_down.weight", D, F_, F_ ** -0.5)
+        if gemma:
+            vec(p + "attn_q_norm.weight", hd)
+            vec(p + "attn_k_norm.weight", hd)
+            vec(p + "post_attention_norm.weight", D)
+            vec(p + "post_ffw_norm.weight", D)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -124,8 +124,10 @@ def run_alone(engine: LLMEngine, arrivals: Iterable[Arrival]) -> dict[str, Finis
 def make_engine(bundle: ModelBundle, kv_blocks: int, *, block_size: int = 16, prefix: bool = True, max_seqs: int = 16,
                 budget: int = 256, audit: bool = False, faults: frozenset[str] = frozenset(),
                 trace_path: str | None = None) -> LLMEngine:
-    """An engine on `bundle` whose pool has exactly `kv_blocks` usable blocks of `block_size` tokens;
-    `budget` is max_num_batched_tokens, `max_seqs` max_num_seqs."""
+    """An engine on `bundle` whose pool has exactly `kv_blocks` usable blocks of `block_size` tokens
+    (blocks of every layer: with Gemma 3's window cache the same memory is cut into smaller blocks
+    of one KV group each, engine/kv_groups.py); `budget` is max_num_batched_tokens, `max_seqs`
+    max_num_seqs."""
     from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
     from isolab.engine.kv_storage import kv_cache_memory_for
     from isolab.engine.llm_engine import LLMEngine

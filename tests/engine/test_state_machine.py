@@ -7,8 +7,9 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from isolab.engine.block_pool import BlockPool, BlockState
+from isolab.engine.block_pool import NULL_BLOCK_ID, BlockPool, BlockState
 from isolab.engine.kv_cache_manager import KVCacheManager
+from isolab.engine.kv_groups import first_needed_block
 from isolab.engine.request import Request
 from isolab.faults import Faults
 from isolab.sampling_params import SamplingParams
@@ -84,24 +85,43 @@ class CacheMachine(RuleBasedStateMachine):
     def isolation(self):
         writers: dict[int, str] = {}
         for rid, r in self.live.items():
-            table = self.kv.held_blocks(r)
-            assert len(table) == self.kv.num_blocks_needed(r.num_computed_tokens)
-            for i, ref in enumerate(table):
-                b = ref.block
-                assert ref.generation == b.generation, "a request holds a block that was reused"
-                mine = r.token_ids[i * BS : (i + 1) * BS][: len(b.tokens)]
-                assert b.tokens == mine, f"block {b.block_id} holds other tokens than {rid}'s"
-                if b.state is BlockState.ALLOCATED:
-                    assert writers.setdefault(b.block_id, rid) == rid, "two requests hold one writable block"
-                    assert b.writer == rid
-                else:
-                    assert b.state is BlockState.SEALED and b.scope == r.scope
+            for group, window in enumerate(self.kv.windows):
+                table = self.kv.held_blocks(r, group)
+                assert len(table) == self.kv.num_blocks_needed(r.num_computed_tokens)
+                first = first_needed_block(r.num_computed_tokens, window, BS)  # what the next query reads
+                for i, ref in enumerate(table):
+                    b = ref.block
+                    if b.block_id == NULL_BLOCK_ID:
+                        assert i < first, f"{rid}: group {group} released block {i}, which its window still reads"
+                        continue
+                    assert ref.generation == b.generation, "a request holds a block that was reused"
+                    mine = r.token_ids[i * BS : (i + 1) * BS][: len(b.tokens)]
+                    assert b.tokens == mine, f"block {b.block_id} holds other tokens than {rid}'s"
+                    if b.state is BlockState.ALLOCATED:
+                        assert writers.setdefault(b.block_id, rid) == rid, "two requests hold one writable block"
+                        assert b.writer == rid
+                    else:
+                        assert b.state is BlockState.SEALED and b.scope == r.scope
         held = self.kv.num_held_blocks()
         assert held == sum(b.ref_cnt for b in self.pool.blocks)
 
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowMachine(CacheMachine):
+    """The same rules over two KV groups, full attention and a window of 6 tokens (not a multiple
+    of the block size): window blocks are released as requests grow and hit again by later ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(20)
+        self.kv = KVCacheManager(self.pool, BS, weights_fingerprint="w", dtype="bf16", windows=(0, 6))
+
+
+TestWindowMachine = WindowMachine.TestCase
+TestWindowMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 def _faulty(faults: frozenset[str]):
@@ -128,4 +148,17 @@ def test_machine_catches_each_cache_fault(fault):
             _faulty(frozenset([fault])), settings=settings(max_examples=300, stateful_step_count=40, deadline=None,
                                                            database=None, print_blob=False,
                                                            phases=(Phase.explicit, Phase.generate))
+        )
+
+
+def test_window_machine_catches_a_block_released_too_early(monkeypatch):
+    """The window invariant is not vacuous: releasing one block too early (an off-by-one in the
+    window arithmetic) is found."""
+    import isolab.engine.kv_cache_manager as kvm
+
+    monkeypatch.setattr(kvm, "first_needed_block", lambda n, w, bs: first_needed_block(n, w, bs) + (1 if w else 0))
+    with pytest.raises(AssertionError, match="window still reads"):
+        run_state_machine_as_test(
+            WindowMachine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None, database=None,
+                                             print_blob=False, phases=(Phase.explicit, Phase.generate))
         )

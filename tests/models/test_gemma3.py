@@ -82,3 +82,29 @@ def test_engine_guarantees_on_native_weights():
     assert run_scenario(bundle, WIDE, frozenset(["batch-variant-gemm"])).caught
     chat = bundle.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])  # the family's template
     assert chat[:2] == [bundle.tokenizer.bos_token_id, 105] and 106 in bundle.tokenizer.end_of_turn_ids
+
+
+def test_the_window_cache_is_bit_exact_past_the_window():
+    """Local layers keep only their window's blocks: 700 prompt tokens + 8, tokens and logprobs
+    bit for bit those of the full cache; a prefix hit past the window bit for bit a miss."""
+    from isolab.llm import LLM
+    from isolab.models.bundle import load_bundle
+    from isolab.sampling_params import SamplingParams
+
+    bundle = load_bundle("gemma3-270m", "bf16", "cpu")
+    ids = bundle.tokenizer.encode(" ".join(f"word{i}" for i in range(300)))[:700]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = {}
+    for wc in (True, False):
+        llm = LLM(bundle=bundle, window_cache=wc, kv_cache_memory=64 << 20)
+        outs[wc] = llm.generate([ids], params)[0]
+        assert llm.engine.kv.num_held_blocks() == 0
+    assert outs[True].token_ids == outs[False].token_ids and outs[True].logprobs == outs[False].logprobs
+    # a prefix hit past the window (640 cached tokens: the global blocks, the local windows) == a miss
+    longer = ids[:640] + bundle.tokenizer.encode(" and then")
+    warm_llm = LLM(bundle=bundle, kv_cache_memory=64 << 20)
+    warm_llm.generate([ids], params)
+    warm = warm_llm.generate([longer], params)[0]
+    cold = LLM(bundle=bundle, kv_cache_memory=64 << 20, enable_prefix_caching=False).generate([longer], params)[0]
+    assert warm.num_cached_tokens == 640
+    assert warm.token_ids == cold.token_ids and warm.logprobs == cold.logprobs
