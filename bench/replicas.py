@@ -7,9 +7,10 @@ One server at a time, each `isolab serve` started as a user starts it, stopped w
    (about 100 tokens each), then each again with another question: the share of repeats that get
    cached tokens (the repeat reached the replica holding its prefix).
 2. Throughput: the same streamed workload (`isolab bench --url`: prompts of 64-256 words, 128 new
-   tokens) against one in-process engine with 2 threads, 1 Ray replica with 2 threads, and 2 Ray
-   replicas of 1 thread each. On a 2-core machine replicas share the cores: the figure shows the
-   cost of the Ray hop and what splitting the cores does, not multi-node scaling (docs/scaleout.md).
+   tokens) against one in-process engine with 2 threads, 1 Ray replica with 2 threads, 1 with 1
+   thread, and 2 replicas of 1 thread each. On a 2-core machine replicas share the cores: the
+   figures show the cost of the Ray hop and what splitting the cores does, not multi-node scaling.
+   The projection for a node per replica is N times the 1-thread replica alone (docs/scaleout.md).
 Writes bench/results/replicas.json. Needs the ray extra (pip install 'isolab[ray]').
 """
 
@@ -124,7 +125,11 @@ def main() -> int:
     if args.part in ("all", "throughput"):
         result["throughput"] = scaling(args.requests, args.concurrency)
         base = result["throughput"]["1 replica x 2 threads"]["output_tokens_per_s"]
-        result["ratio_2x1_over_1x2"] = result["throughput"]["2 replicas x 1 thread"]["output_tokens_per_s"] / base
+        tp = result["throughput"]
+        result["ratio_2x1_over_1x2"] = tp["2 replicas x 1 thread"]["output_tokens_per_s"] / base
+        # a node per replica, each with the one core a 1-thread replica has here: N times that replica alone
+        result["projected_one_core_per_replica"] = {
+            str(n): n * tp["1 replica x 1 thread"]["output_tokens_per_s"] for n in (1, 2, 4, 8)}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("\n| routing (2 replicas) | repeats hitting the cache |\n|---|---|")
     for routing, f in result.get("affinity", {}).items():
@@ -153,6 +158,7 @@ def scaling(requests: int, concurrency: int) -> dict[str, Any]:
     figures = {}
     for name, server_args in (("one engine, 2 threads (no Ray)", ()),
                               ("1 replica x 2 threads", ("--replicas", "1", "--replica-threads", "2")),
+                              ("1 replica x 1 thread", ("--replicas", "1", "--replica-threads", "1")),
                               ("2 replicas x 1 thread", ("--replicas", "2", "--replica-threads", "1"))):
         s = Server(*server_args)
         try:
