@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="N engine replicas as Ray Serve deployments behind this API (default: one in-process engine)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start a local Ray instance")
+                   help="join this Ray cluster from one of its nodes (auto, or HEAD_IP:6379; not ray://); default: start "
+                        "a local Ray instance")
     r.add_argument("--replica-threads", type=int, default=None, metavar="T",
                    help="CPU threads per replica (default: this machine's cores / N, at least 1)")
     r.add_argument("--replica-cpus", type=float, default=None, metavar="C",

@@ -41,7 +41,8 @@ class ScaleOutError(IsolabError):
 class ScaleOut:
     replicas: int
     threads_per_replica: int  # torch / OpenMP threads in each replica
-    ray_address: str | None = None  # None: a local Ray instance, started here and stopped with the server
+    ray_address: str | None = None  # None: a local Ray instance, started here and stopped with the server;
+    #   else a cluster to join (auto, HEAD_IP:6379); not ray:// (Ray Client cannot stream from Serve handles)
     cpus_per_replica: float | None = None  # Ray's logical CPUs a replica asks for (None: its threads)
     gpus_per_replica: float = 0.0  # Ray GPUs a replica asks for (its engine then picks cuda)
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
@@ -68,16 +69,23 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
-    started_ray = not ray.is_initialized()
+    if plan.ray_address is not None and plan.ray_address.startswith("ray://"):
+        raise ScaleOutError("--ray-address ray://... (Ray Client) cannot stream from Serve replicas: run isolab serve "
+                            "on a node of the cluster with --ray-address auto (or HEAD_IP:6379)")
+    # local: a Ray instance of our own, stopped with the server; joined: only our apps are ever removed
+    local = plan.ray_address is None and not ray.is_initialized()
     prefix = f"isolab-{uuid.uuid4().hex[:8]}-replica-"
-    if started_ray:
-        if plan.ray_address is None:
+    try:
+        if local:
             # Logical CPUs: enough for every replica here (on this machine they share its cores; say so).
             need = plan.replicas * (plan.cpus_per_replica or plan.threads_per_replica)
             ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                      configure_logging=False, log_to_driver=False)
-        else:
+        elif not ray.is_initialized():
             ray.init(address=plan.ray_address, configure_logging=False, log_to_driver=False)
+    except Exception as exc:
+        raise ScaleOutError(f"Ray did not start{'' if local else f' at {plan.ray_address!r}'} "
+                            f"({type(exc).__name__}: {str(exc)[:300]})") from None
     try:
         serve.start(proxy_location="Disabled")
         cpus = plan.cpus_per_replica if plan.cpus_per_replica is not None else float(plan.threads_per_replica)
@@ -86,7 +94,9 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
         if plan.gpus_per_replica:
             actor_options["num_gpus"] = plan.gpus_per_replica
         deployment = serve.deployment(
-            EngineReplica, name="engine", num_replicas=1, max_ongoing_requests=capacity_per_replica + 16,
+            # room for every request the ingress admits (affinity may send them all to one replica),
+            # plus its stats, abort and health calls
+            EngineReplica, name="engine", num_replicas=1, max_ongoing_requests=capacity_per_replica * plan.replicas + 32,
             health_check_period_s=plan.health_check_period_s, health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=5.0, max_constructor_retry_count=2,
             ray_actor_options=actor_options,
@@ -97,13 +107,13 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
         handles = serve.run_many(targets)
         facts: ReplicaFacts = handles[0].facts.remote().result(timeout_s=300)
     except Exception as exc:
-        _teardown(prefix, started_ray)
+        _teardown(prefix, local)
         if isinstance(exc, IsolabError):
             raise
         raise ScaleOutError(f"the engine replicas did not start ({type(exc).__name__}: {str(exc)[:300]})") from exc
     replicas = ReplicaSet(handles, Router(plan.replicas, dataclasses.replace(plan.routing,
                                                                               block_size=config.cache.block_size)),
-                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(prefix, started_ray))
+                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(prefix, local))
     log.info("%d engine replica(s) on Ray Serve, %d thread(s) each, routing %s", plan.replicas,
              plan.threads_per_replica, plan.routing.policy)
     return replicas, facts
@@ -116,7 +126,8 @@ def _for_replica(config: EngineConfig, index: int) -> EngineConfig:
     return dataclasses.replace(config, trace_path=f"{config.trace_path}.replica{index}")
 
 
-def _teardown(prefix: str, started_ray: bool) -> None:
+def _teardown(prefix: str, local: bool) -> None:
+    """Remove this server's apps; stop Serve and Ray only if they are this server's own instance."""
     import ray
     from ray import serve
 
@@ -129,6 +140,6 @@ def _teardown(prefix: str, started_ray: bool) -> None:
             time.sleep(0.2)
     except Exception:  # the cluster may be going away already
         log.warning("could not delete the replicas' Serve apps (%s*)", prefix)
-    if started_ray:
+    if local:
         serve.shutdown()
-        ray.shutdown()
+    ray.shutdown()  # joined: disconnects this driver only; the cluster and its other apps stay

@@ -34,6 +34,7 @@ from isolab.errors import EngineUnavailable, IsolabError, RequestAborted
 from isolab.scaleout.router import DECISIONS, Router
 from isolab.scaleout.wire import Admitted, Refused
 from isolab.server.engine_loop import AdmissionBound, EngineRequest
+from isolab.server.tenants import scope_owner
 
 log = logging.getLogger("isolab.scaleout")
 
@@ -60,12 +61,18 @@ class _Stream:
     request_ids: tuple[str, ...]
     pending: set[str]  # not yet finished
     task: asyncio.Task[None] | None = None
+    cancelled: bool = False  # by abort() or stop(): what the stream raises next is ours, not a failure
 
 
 class ReplicaSet(AdmissionBound):
     def __init__(self, handles: Sequence[Any], router: Router, poll_s: float = 0.5,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None,
+                 death_errors: tuple[type[BaseException], ...] | None = None, admit_timeout_s: float = 30.0) -> None:
+        """death_errors: what a call raises when its replica's process is gone (default: Ray's actor
+        errors); any other error fails the request without marking the replica down."""
         super().__init__()
+        self.death_errors = death_errors if death_errors is not None else _ray_death_errors()
+        self.admit_timeout_s = admit_timeout_s
         assert len(handles) == router.num_replicas
         self.router = router
         self.poll_s = poll_s
@@ -91,9 +98,7 @@ class ReplicaSet(AdmissionBound):
         if self._poller is not None:
             self._poller.cancel()
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream.response.cancel()
-            if stream.task is not None:
-                stream.task.cancel()
+            self._cancel(stream)
 
     def shutdown(self) -> None:
         """Tear the deployment down (after the HTTP server has stopped)."""
@@ -115,14 +120,15 @@ class ReplicaSet(AdmissionBound):
 
     async def submit(self, requests: Sequence[EngineRequest], cache_scope: str) -> asyncio.Queue[RequestOutput]:
         """Route the call (all its choices to one replica: they share the prompt's blocks) and start
-        its stream. A replica that fails before admitting it is marked down and the next is tried."""
+        its stream. A replica that dies, stalls or is stopping before it admits the call is marked
+        down and the next is tried; any other failure ends the call with a 503."""
         requests = tuple(requests)
         ids = tuple(r.request_id for r in requests)
         tried: set[int] = set()
         while True:
             up = [r.up and r.index not in tried for r in self._replicas]
             decision = self.router.route(cache_scope, requests[0].prompt_token_ids,
-                                         [r.inflight for r in self._replicas], up)
+                                         [r.inflight for r in self._replicas], up, owner=scope_owner(cache_scope))
             if self._stopping:
                 raise RequestAborted("the server is shutting down")
             if decision is None:
@@ -131,20 +137,29 @@ class ReplicaSet(AdmissionBound):
                 self.decisions.labels(decision.kind).inc()
             replica = self._replicas[decision.replica]
             replica.inflight += len(ids)
-            response = replica.handle.options(stream=True).generate.remote(requests, cache_scope)
+            response = None
             try:
-                first = await response.__anext__()
-            except asyncio.CancelledError:
-                response.cancel()
+                response = replica.handle.options(stream=True).generate.remote(requests, cache_scope)
+                first = await asyncio.wait_for(response.__anext__(), self.admit_timeout_s)
+            except BaseException as exc:
                 replica.inflight -= len(ids)
-                raise
-            except Exception as exc:  # the replica died (or Ray failed) before admitting the call
-                replica.inflight -= len(ids)
-                self._mark_down(replica, exc)
+                if response is not None:
+                    response.cancel()
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                if not isinstance(exc, (TimeoutError, *self.death_errors)):
+                    log.error("engine replica %d failed a call before admitting it (%s)", replica.index,
+                              type(exc).__name__)
+                    raise EngineUnavailable(f"engine replica {replica.index} failed this request; retry it") from None
+                self._mark_down(replica, exc)  # dead (or silent past admit_timeout_s): the next one
                 tried.add(replica.index)
                 continue
             if isinstance(first, Refused):
                 replica.inflight -= len(ids)
+                if first.kind == "aborted":  # the replica is stopping (Serve replaces it): the next one
+                    self._mark_down(replica, RequestAborted(first.message))
+                    tried.add(replica.index)
+                    continue
                 raise first.error()
             assert isinstance(first, Admitted)
             self._note_incarnation(replica, first.incarnation)
@@ -165,14 +180,20 @@ class ReplicaSet(AdmissionBound):
                 by_stream.setdefault(id(stream), (stream, []))[1].append(rid)
         for stream, rids in by_stream.values():
             if set(rids) >= stream.pending:
-                stream.response.cancel()
-                if stream.task is not None:
-                    stream.task.cancel()
+                self._cancel(stream)
             else:
                 stream.replica.handle.abort.remote(rids)
 
+    @staticmethod
+    def _cancel(stream: _Stream) -> None:
+        stream.cancelled = True  # first: Serve answers a cancelled stream with an error of its own
+        stream.response.cancel()
+        if stream.task is not None:
+            stream.task.cancel()
+
     # -- streams -------------------------------------------------------------------------------------
     async def _pump(self, stream: _Stream, queue: asyncio.Queue[RequestOutput]) -> None:
+        replica = stream.replica
         try:
             async for batch in stream.response:
                 for out in batch:
@@ -181,24 +202,33 @@ class ReplicaSet(AdmissionBound):
                     queue.put_nowait(out)
             if stream.pending:  # the stream ended early: never leave a consumer waiting
                 raise IsolabError("the replica's stream ended before its requests did")
-        except asyncio.CancelledError:
-            if self._stopping:  # shutdown: a consumer still reading gets its end, as one engine does it
-                for rid in sorted(stream.pending):
-                    queue.put_nowait(RequestOutput(rid, (), (), (), True, "abort", None, 0, 0,
-                                                   RequestAborted("the server is shutting down")))
-            # else aborted: the consumer is gone
-        except Exception as exc:
-            replica = stream.replica
+        except BaseException as exc:
+            if stream.cancelled or isinstance(exc, asyncio.CancelledError):
+                if self._stopping:  # shutdown: a consumer still reading gets its end, as one engine does it
+                    self._finish(stream, queue, "abort", RequestAborted("the server is shutting down"))
+                if not isinstance(exc, asyncio.CancelledError):
+                    return  # Serve's own "request cancelled" error: we cancelled it, the replica is fine
+                raise
+            stream.response.cancel()
             replica.failed_streams += 1
-            self._mark_down(replica, exc)
-            error = EngineUnavailable(f"engine replica {replica.index} stopped while serving this request; retry it")
-            for rid in sorted(stream.pending):
-                queue.put_nowait(RequestOutput(rid, (), (), (), True, "error", None, 0, 0, error))
-            stream.pending.clear()
+            if isinstance(exc, self.death_errors):
+                self._mark_down(replica, exc)
+                message = f"engine replica {replica.index} stopped while serving this request; retry it"
+            else:
+                log.error("engine replica %d failed a stream (%s)", replica.index, type(exc).__name__)
+                message = f"engine replica {replica.index} failed this request; retry it"
+            self._finish(stream, queue, "error", EngineUnavailable(message))
         finally:
-            stream.replica.inflight -= len(stream.request_ids)
+            replica.inflight -= len(stream.request_ids)
             for rid in stream.request_ids:
                 self._streams.pop(rid, None)
+
+    @staticmethod
+    def _finish(stream: _Stream, queue: asyncio.Queue[RequestOutput], reason: str, error: IsolabError) -> None:
+        """A final output for each request of the stream still unfinished."""
+        for rid in sorted(stream.pending):
+            queue.put_nowait(RequestOutput(rid, (), (), (), True, reason, None, 0, 0, error))
+        stream.pending.clear()
 
     # -- health --------------------------------------------------------------------------------------
     def _mark_down(self, replica: _Replica, exc: BaseException) -> None:
@@ -212,11 +242,14 @@ class ReplicaSet(AdmissionBound):
             await asyncio.sleep(self.poll_s)
 
     async def _poll(self, replica: _Replica) -> None:
+        response = replica.handle.stats.remote()
         try:
-            stats = await asyncio.wait_for(replica.handle.stats.remote(), timeout=max(2.0, 4 * self.poll_s))
+            stats = await asyncio.wait_for(response, timeout=max(2.0, 4 * self.poll_s))
         except asyncio.CancelledError:
+            response.cancel()
             raise
         except Exception as exc:
+            response.cancel()  # a timed-out call must not stay queued on the replica
             self._mark_down(replica, exc)
             return
         self._note_incarnation(replica, str(stats.get("incarnation")))
@@ -249,6 +282,13 @@ class ReplicaSet(AdmissionBound):
         for kind in DECISIONS:
             self.decisions.labels(kind)
         registry.register(_ReplicaCollector(self))
+
+
+def _ray_death_errors() -> tuple[type[BaseException], ...]:
+    """Ray's errors for a call whose actor is gone (or unreachable for now)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return (RayActorError, ActorUnavailableError)
 
 
 class _ReplicaCollector(Collector):

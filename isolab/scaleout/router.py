@@ -15,8 +15,10 @@ Isolation (the seed's three questions, for the routing table):
 - when: at the routing decision, before the request reaches a replica;
 - who sees it: only later decisions of the same scope. A table is found by the scope; nothing reads
   another scope's table, and the hashes start from the scope, so the same tokens under two scopes
-  are two unrelated keys. What one tenant's routing can learn of another is the replicas' load (a
-  count of requests), never whether a prefix was seen. The replicas' prefix caches are scoped too.
+  are two unrelated keys. The tables' bounds are per tenant (the owner): a tenant that sends many
+  cache_salt values pushes out only its own scopes' tables. What one tenant's routing can learn of
+  another is the replicas' load (a count of requests), never whether a prefix was seen. The
+  replicas' prefix caches are scoped too.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class RoutingConfig:
     balance_abs: int = 8
     balance_rel: float = 1.5
     max_entries_per_scope: int = 4096  # LRU over prefixes; a forgotten prefix routes as new
-    max_scopes: int = 1024  # LRU over scopes
+    # LRU over a tenant's scopes (its cache_salt values), within that tenant only: one tenant's salts
+    # never push out another's tables. Tenants are bounded by the key registry; max_owners caps them anyway.
+    max_scopes_per_owner: int = 256
+    max_owners: int = 4096
     seed: int = 0  # the random policy's own generator
 
     def __post_init__(self) -> None:
@@ -77,12 +82,15 @@ class Router:
         assert num_replicas >= 1
         self.num_replicas = num_replicas
         self.config = config or RoutingConfig()
-        # scope -> (prefix hash -> replica), both LRU. Written and read only by route()/forget_replica().
-        self._tables: OrderedDict[str, OrderedDict[bytes, int]] = OrderedDict()
+        # owner (tenant) -> scope -> prefix hash -> replica, each level LRU. Written and read only by
+        # route() and forget_replica(), on one thread.
+        self._tables: OrderedDict[str, OrderedDict[str, OrderedDict[bytes, int]]] = OrderedDict()
         self._rng = random.Random(self.config.seed)
 
-    def route(self, scope: str, prompt_ids: Sequence[int], loads: Sequence[int], up: Sequence[bool]) -> Decision | None:
-        """The replica for this request; None when no replica is up. loads: engine requests in flight."""
+    def route(self, scope: str, prompt_ids: Sequence[int], loads: Sequence[int], up: Sequence[bool],
+              owner: str | None = None) -> Decision | None:
+        """The replica for this request; None when no replica is up. loads: engine requests in flight.
+        owner: the tenant the scope belongs to (default: the scope itself); its scopes share a bound."""
         assert len(loads) == len(up) == self.num_replicas
         alive = [i for i in range(self.num_replicas) if up[i]]
         if not alive:
@@ -95,7 +103,7 @@ class Router:
                              "little")
         if cfg.policy == "least-loaded":
             return Decision(self._least_loaded(alive, loads, tie), "least-loaded")
-        table = self._table(scope)
+        table = self._table(owner if owner is not None else scope, scope)
         known = next((table[h] for h in reversed(hashes) if h in table), None)
         if known is None:
             decision = Decision(self._least_loaded(alive, loads, tie), "new")
@@ -114,20 +122,27 @@ class Router:
 
     def forget_replica(self, replica: int) -> None:
         """The replica restarted (its cache is empty): its prefixes route as new again."""
-        for table in self._tables.values():
-            for h in [h for h, r in table.items() if r == replica]:
-                del table[h]
+        for scopes in self._tables.values():
+            for table in scopes.values():
+                for h in [h for h, r in table.items() if r == replica]:
+                    del table[h]
 
-    def num_entries(self, scope: str) -> int:
-        return len(self._tables.get(scope, ()))
+    def num_entries(self, scope: str, owner: str | None = None) -> int:
+        return len(self._tables.get(owner if owner is not None else scope, {}).get(scope, ()))
 
-    def _table(self, scope: str) -> OrderedDict[bytes, int]:
-        table = self._tables.get(scope)
-        if table is None:
-            table = self._tables[scope] = OrderedDict()
-            while len(self._tables) > self.config.max_scopes:
+    def _table(self, owner: str, scope: str) -> OrderedDict[bytes, int]:
+        scopes = self._tables.get(owner)
+        if scopes is None:
+            scopes = self._tables[owner] = OrderedDict()
+            while len(self._tables) > self.config.max_owners:
                 self._tables.popitem(last=False)
-        self._tables.move_to_end(scope)
+        self._tables.move_to_end(owner)
+        table = scopes.get(scope)
+        if table is None:
+            table = scopes[scope] = OrderedDict()
+            while len(scopes) > self.config.max_scopes_per_owner:
+                scopes.popitem(last=False)  # this owner's least recent scope, never another owner's
+        scopes.move_to_end(scope)
         return table
 
     def _hot(self, replica: int, alive: list[int], loads: Sequence[int]) -> bool:

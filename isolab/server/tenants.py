@@ -46,6 +46,11 @@ class Tenant:
         return scope
 
 
+def scope_owner(scope: str) -> str:
+    """The tenant part of a cache scope (`tenant:<id>`, without `|salt:...`): tenant ids never hold '|'."""
+    return scope.split("|", 1)[0]
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 

@@ -14,14 +14,25 @@ class ActorDied(Exception):
     """What Ray raises when the actor behind a call is gone (ray.exceptions.ActorDiedError)."""
 
 
+class RequestCancelled(Exception):
+    """What Serve raises from a stream after its cancel() (ray.serve.exceptions.RequestCancelledError):
+    an ordinary Exception, not asyncio's CancelledError."""
+
+
 class FakeResponse:
-    """A streaming response: the replica's generator runs in its own task (as in its actor)."""
+    """A streaming response: the replica's generator runs in its own task (as in its actor). A dead
+    replica's response never runs anything: it fails at its first item."""
 
     def __init__(self, replica: FakeReplica, agen: Any) -> None:
         self.replica = replica
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(self._drive(agen))
-        replica.responses.append(self)
+        self.cancelled = False
+        if replica.dead or replica.fail_with is not None:
+            self.task = None
+            self.queue.put_nowait(("dead", None) if replica.dead else ("raise", replica.fail_with))
+        else:
+            self.task = asyncio.get_running_loop().create_task(self._drive(agen))
+            replica.responses.append(self)
 
     async def _drive(self, agen: Any) -> None:
         try:
@@ -35,17 +46,24 @@ class FakeResponse:
         return self
 
     async def __anext__(self) -> Any:
-        if self.replica.dead:
-            raise ActorDied("the actor died unexpectedly before finishing this task")
+        if self.cancelled:
+            raise RequestCancelled("the request was cancelled")
         kind, item = await self.queue.get()
         if kind == "dead":
             raise ActorDied("the actor died unexpectedly before finishing this task")
+        if kind == "raise":
+            raise item
+        if kind == "cancelled":
+            raise RequestCancelled("the request was cancelled")
         if kind == "end":
             raise StopAsyncIteration
         return item
 
     def cancel(self) -> None:
-        self.task.cancel()
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+        self.queue.put_nowait(("cancelled", None))
 
 
 class _Method:
@@ -60,6 +78,8 @@ class FakeReplica:
         self.config, self.index = config, index
         self.replica = EngineReplica(config, index, threads=1)
         self.dead = False
+        self.fail_with: Exception | None = None  # calls fail with this (an application error, not a death)
+        self.num_generate_calls = 0
         self.responses: list[FakeResponse] = []
         self.generate = _Method(self._generate)
         self.stats = _Method(self._stats)
@@ -69,12 +89,15 @@ class FakeReplica:
         return self
 
     def _generate(self, requests: Any, scope: str) -> FakeResponse:
+        self.num_generate_calls += 1
         return FakeResponse(self, self.replica.generate(requests, scope))
 
-    async def _stats(self) -> dict[str, Any]:
-        if self.dead:
-            raise ActorDied("the actor is dead")
-        return self.replica.stats()
+    def _stats(self) -> asyncio.Task[dict[str, Any]]:
+        async def call() -> dict[str, Any]:
+            if self.dead:
+                raise ActorDied("the actor is dead")
+            return self.replica.stats()
+        return asyncio.ensure_future(call())  # like a DeploymentResponse: awaitable, cancellable
 
     def kill(self) -> None:
         """The process is gone: its streams break, its calls fail (its engine is simply dropped)."""

@@ -151,8 +151,32 @@ def test_metrics_per_replica_and_aggregated(cluster):
         assert m[f'isolab_replica_up{{replica="{i}"}}'] == 1
         assert f'isolab_replica_prefix_cache_hit_rate{{replica="{i}"}}' in m
     assert m["isolab_replicas_up"] == 2
+    # the affinity test's 16 prefixes spread over both replicas, and each served its repeats from cache
+    for i in ("0", "1"):
+        assert m[f'isolab_replica_prefix_cache_hits_tokens_total{{replica="{i}"}}'] > 0
     total = sum(m[f'isolab_replica_prefix_cache_hits_tokens_total{{replica="{i}"}}'] for i in ("0", "1"))
-    assert total > 0 and m["isolab_prefix_cache_hits_tokens_total"] == total
+    assert m["isolab_prefix_cache_hits_tokens_total"] == total  # the aggregate is their sum
+
+
+def test_a_client_that_goes_away_frees_its_request_on_the_replica(cluster):
+    """A disconnect cancels the Serve stream; the replica aborts the request (its blocks are freed)
+    and Serve's "request cancelled" answer is not taken for a replica failure."""
+    before = cluster.metrics()
+    body = {"model": cluster.model(), "prompt": "Tell me a long story about a lighthouse.", "max_tokens": 400,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    for _ in range(3):
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sk-alice"}) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break  # leave mid-stream
+    h = cluster.wait_idle()
+    assert [r["up"] for r in h["replicas"]] == [True, True]
+    after = cluster.metrics()
+    for i in ("0", "1"):
+        key = f'isolab_replica_failed_streams_total{{replica="{i}"}}'
+        assert after[key] == before[key]
+    assert after["isolab_kv_blocks_used"] == 0
 
 
 def test_a_replica_killed_under_load(cluster):

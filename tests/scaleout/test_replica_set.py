@@ -15,7 +15,7 @@ from isolab.sampling_params import SamplingParams
 from isolab.scaleout.replica_set import ReplicaSet
 from isolab.scaleout.router import Router, RoutingConfig
 from isolab.server.engine_loop import EngineRequest
-from tests.scaleout.fake_ray import FakeReplica
+from tests.scaleout.fake_ray import ActorDied, FakeReplica
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def fakes(tiny_path, tiny_bundle):
 
 
 def make_set(fakes) -> ReplicaSet:
-    return ReplicaSet(fakes, Router(len(fakes), RoutingConfig(block_size=16)), poll_s=0.05)
+    return ReplicaSet(fakes, Router(len(fakes), RoutingConfig(block_size=16)), poll_s=0.05, death_errors=(ActorDied,))
 
 
 def req(rid: str, n_prompt: int = 40, max_tokens: int = 8, seed: int = 0) -> EngineRequest:
@@ -106,7 +106,8 @@ def test_a_replica_dead_before_admitting_is_retried_on_another(fakes):
         fakes[1].dead = False
         rs._replicas[1].inflight += 5  # busier: the router picks replica 0 first
         q = await rs.submit([req("r0")], "t:alice")
-        assert rs._streams["r0"].replica.index == 1  # ... which failed, so replica 1 took it
+        assert fakes[0].num_generate_calls == 1  # it was tried ...
+        assert rs._streams["r0"].replica.index == 1  # ... and failed, so replica 1 took it
         rs._replicas[1].inflight -= 5
         await drain(q, ["r0"])
         assert not rs._replicas[0].up
@@ -131,6 +132,8 @@ def test_abort_frees_the_replicas_blocks(fakes):
         rs.abort(["c-0", "c-1"])  # the client went away
         await wait_for(lambda: idle(home))
         await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas) and not rs._streams)
+        # Serve answers a cancelled stream with an error: ours, not the replica's failure
+        assert all(r.up and r.failed_streams == 0 for r in rs._replicas)
         q = await rs.submit([req("d-0", max_tokens=400), req("d-1", max_tokens=100)], "t:bob")
         await asyncio.wait_for(q.get(), 30)
         rs.abort(["d-0"])  # a part of a call: aborted on its replica, the rest goes on
@@ -146,4 +149,17 @@ def test_a_refusal_comes_back_as_its_own_error(fakes):
         with pytest.raises(PromptTooLongError):
             await rs.submit([req("big", n_prompt=5000)], "t:alice")
         assert all(r.inflight == 0 for r in rs._replicas)
+    asyncio.run(main())
+
+
+def test_a_replica_error_that_is_no_death_fails_the_call_but_keeps_the_replica(fakes):
+    async def main():
+        rs = make_set(fakes)
+        fakes[0].fail_with = RuntimeError("a bug in the replica")  # not an actor death
+        rs._replicas[1].inflight += 5  # the router picks replica 0
+        with pytest.raises(EngineUnavailable, match="replica 0 failed this request"):
+            await rs.submit([req("e0")], "t:alice")
+        rs._replicas[1].inflight -= 5
+        assert rs._replicas[0].up and all(r.inflight == 0 for r in rs._replicas)
+        assert fakes[1].num_generate_calls == 0  # not retried elsewhere: it may be the request's fault
     asyncio.run(main())

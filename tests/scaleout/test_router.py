@@ -71,14 +71,26 @@ def test_short_prompts_and_new_prefixes_spread_by_hash():
     assert r.num_entries("s") == 32 * 4
 
 
-def test_tables_are_bounded():
-    r = Router(2, RoutingConfig(block_size=BS, max_entries_per_scope=10, max_scopes=3))
+def test_tables_are_bounded_per_tenant():
+    r = Router(2, RoutingConfig(block_size=BS, max_entries_per_scope=10, max_scopes_per_owner=3))
     for i in range(20):
-        r.route("s", prompt(i), [0, 0], [True, True])
-    assert r.num_entries("s") == 10
-    for s in ("a", "b", "c", "d"):
-        r.route(s, prompt(1), [0, 0], [True, True])
-    assert r.num_entries("s") == 0 and r.num_entries("d") == 4  # the least recent scope went
+        r.route("t:a", prompt(i), [0, 0], [True, True], owner="t:a")
+    assert r.num_entries("t:a", owner="t:a") == 10
+    for salt in ("x", "y", "z"):
+        r.route(f"t:a|salt:{salt}", prompt(1), [0, 0], [True, True], owner="t:a")
+    assert r.num_entries("t:a", owner="t:a") == 0  # the tenant's least recent scope went
+    assert r.num_entries("t:a|salt:z", owner="t:a") == 4
+
+
+def test_a_tenant_flooding_salts_never_evicts_another_tenants_table():
+    """Tenant a sends 2,000 cache_salt values (scopes); tenant b's prefix still routes by affinity."""
+    r = Router(2, RoutingConfig(block_size=BS, max_scopes_per_owner=16))
+    home = r.route("t:b", prompt(1), [0, 0], [True, True], owner="t:b").replica
+    for i in range(2000):
+        r.route(f"t:a|salt:{i}", prompt(2), [0, 0], [True, True], owner="t:a")
+    again = r.route("t:b", prompt(1), [0, 0], [True, True], owner="t:b")
+    assert (again.replica, again.kind) == (home, "affinity")
+    assert r.num_entries("t:b", owner="t:b") == 4
 
 
 def test_policies_and_bad_config():

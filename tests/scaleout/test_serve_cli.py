@@ -21,3 +21,12 @@ def test_ray_flags_need_replicas(capsys):
     capsys.readouterr()
     assert main(["serve", "--replicas", "0", "--no-auth"]) == 2
     assert "--replicas must be at least 1" in capsys.readouterr().err
+
+
+def test_ray_client_addresses_are_refused_in_one_sentence(capsys):
+    import pytest
+
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    assert main(["serve", "--replicas", "1", "--ray-address", "ray://head:10001", "--no-auth"]) == 2
+    err = capsys.readouterr().err
+    assert "Ray Client" in err and "--ray-address auto" in err and "Traceback" not in err
