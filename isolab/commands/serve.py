@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -96,7 +97,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         _serve(app, args)
     finally:
-        replicas.shutdown()
+        clean = replicas.shutdown()
+    if not clean:  # Ray's threads would keep the process alive, retrying a cluster that is gone
+        logging.getLogger("isolab.server").warning("Ray did not shut down in 30 s; exiting without it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -116,8 +123,6 @@ def _scale_out(args: argparse.Namespace) -> Any:
 
             raise ScaleOutError("--ray-address and the --replica-* options need --replicas N")
         return None
-    import os
-
     from isolab.scaleout import RoutingConfig, ScaleOut, require_ray
 
     require_ray()

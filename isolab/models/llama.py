@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from isolab import kernels
 from isolab.kernels import quant
-from isolab.models import gemma3, invariance
+from isolab.models import gemma3, invariance, qwen
 from isolab.models.attention import KEY_PAD, attention_core, rope_tables
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
 from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
@@ -265,22 +265,6 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def _qkv_extras(self, L: Layer, qkv: torch.Tensor, N: int, native: bool) -> torch.Tensor:
-        """What a family adds between the qkv GEMM and RoPE: biases (qwen2), a per-head RMSNorm of q
-        and k (qwen3). Row by row, so batch-invariant like the rest; the llama layer returns qkv."""
-        if L.qkv_bias is not None:
-            qkv = qkv + L.qkv_bias  # added to the GEMM's rounded output (transformers adds it before rounding)
-        if L.q_norm is not None and L.k_norm is not None:
-            H, Hkv, Dh = self.hp.num_heads, self.hp.num_kv_heads, self.hp.head_dim
-            q = qkv[:, : H * Dh].reshape(N * H, Dh)
-            k = qkv[:, H * Dh : (H + Hkv) * Dh].reshape(N * Hkv, Dh)
-            if native:
-                q, k = kernels.rms_norm(q, L.q_norm, self.hp.rms_eps), kernels.rms_norm(k, L.k_norm, self.hp.rms_eps)
-            else:
-                q, k = self._rms_norm(q, L.q_norm), self._rms_norm(k, L.k_norm)
-            qkv = torch.cat([q.view(N, H * Dh), k.view(N, Hkv * Dh), qkv[:, (H + Hkv) * Dh :]], dim=1)
-        return qkv
-
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """token_ids, positions: (N,) -> final hidden states (N, D), normed."""
@@ -296,7 +280,7 @@ class LlamaModel:
         sin = self.rope_sin[positions].unsqueeze(1)
         for i, L in enumerate(self.layers):
             h = self._rms_norm(x, L.attn_norm)
-            qkv = self._qkv_extras(L, L.wqkv(h), N, native=False)  # (N, (H + 2 Hkv) Dh)
+            qkv = qwen.qkv_extras(self, L, L.wqkv(h), N, native=False)  # (N, (H + 2 Hkv) Dh)
             qk = self._rope(qkv[:, : (H + Hkv) * Dh].view(N, H + Hkv, Dh), cos, sin)  # q and k in one pass
             v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
             o = attn.attend(i, qk[:, :H], qk[:, H:], v)  # (N, H, Dh)
@@ -345,7 +329,7 @@ class LlamaModel:
                                    ((H + 2 * Hkv) * Dh, hp.intermediate_size))
             return h
         for i, L in enumerate(self.layers):
-            qkv = self._qkv_extras(L, L.wqkv(h), N, native=True)  # (N, (H + 2 Hkv) Dh)
+            qkv = qwen.qkv_extras(self, L, L.wqkv(h), N, native=True)  # (N, (H + 2 Hkv) Dh)
             kernels.rope_(qkv, self.rope_cos, self.rope_sin, positions, H + Hkv, Dh)  # q and k
             q = qkv[:, : H * Dh].view(N, H, Dh)
             k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)

@@ -126,11 +126,25 @@ def _for_replica(config: EngineConfig, index: int) -> EngineConfig:
     return dataclasses.replace(config, trace_path=f"{config.trace_path}.replica{index}")
 
 
+def _local_ray_died() -> bool:
+    """Whether a process of the Ray instance this server started (GCS, raylet) has exited."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        return node is not None and bool(node.dead_processes())
+    except Exception:  # a private API: if it moved, ask the cluster as usual (bounded by shutdown's timeout)
+        return False
+
+
 def _teardown(prefix: str, local: bool) -> None:
     """Remove this server's apps; stop Serve and Ray only if they are this server's own instance."""
     import ray
     from ray import serve
 
+    if local and _local_ray_died():  # a terminal's Ctrl-C reached Ray's processes too: nothing to ask
+        ray.shutdown()
+        return
     try:  # all at once, then wait (one by one takes seconds each)
         ours = [name for name in serve.status().applications if name.startswith(prefix)]
         for name in ours:

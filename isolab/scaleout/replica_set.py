@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,10 +101,24 @@ class ReplicaSet(AdmissionBound):
         for stream in {id(s): s for s in self._streams.values()}.values():
             self._cancel(stream)
 
-    def shutdown(self) -> None:
-        """Tear the deployment down (after the HTTP server has stopped)."""
-        if self._on_shutdown is not None:
-            self._on_shutdown()
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Tear the deployment down (after the HTTP server has stopped); False if that did not finish
+        within `timeout` seconds (Ray's own processes were signalled too, e.g. a terminal's Ctrl-C
+        reaches the whole process group: its calls then retry for a minute)."""
+        if self._on_shutdown is None:
+            return True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._on_shutdown()  # type: ignore[misc]
+            except Exception as exc:  # the cluster is going away: say so, exit all the same
+                log.warning("tearing the replicas down failed (%s)", type(exc).__name__)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="isolab-teardown", daemon=True).start()
+        return done.wait(timeout)
 
     @property
     def stats(self) -> dict[str, float]:
