@@ -1,12 +1,16 @@
 """Owns one engine replica: an LLMEngine and its EngineLoop inside a Ray Serve replica actor.
 
-    ingress --generate(requests, scope)--> Admitted | Refused, then lists of RequestOutput, streamed
-    ingress --stats()-->  the engine's stats snapshot + pid + incarnation (one per actor start)
+    ingress --channel(cid)--> Admitted, then per engine step one list of every output of every
+                              call added on that channel (one stream per ingress, not one per call:
+                              a Ray message per step instead of one per call per step)
+    ingress --add(requests, scope, cid)--> Admitted | Refused   (outputs then flow on the channel)
+    ingress --abort(ids)-->   each gets a final 'abort' output on its channel; blocks freed
+    ingress --stats()-->      the engine's stats snapshot + pid + incarnation (one per actor start)
     Serve   --check_health()--> raises when the engine thread has stopped (Serve then restarts us)
 
 Nothing crosses the wire but plain data: errors become (kind, message, field) and are rebuilt on
-the ingress (wire.py), so an exception that does not pickle cannot turn into a hang. A stream the
-ingress cancels (client gone) aborts its unfinished engine requests here: their blocks are freed.
+the ingress (wire.py), so an exception that does not pickle cannot turn into a hang. A channel that
+closes (its ingress went away, or cancelled it) aborts every unfinished request added on it.
 Does not know routing, HTTP or tenants (the scope arrives as an opaque string).
 """
 
@@ -41,8 +45,9 @@ class EngineReplica:
         self.engine = LLMEngine(config)
         self.loop = EngineLoop(self.engine)
         self.loop.start()
-        # request id -> the queue its stream reads (this actor's event loop only): abort() ends it there
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # This actor's event loop only: channel id -> the queue its stream reads; request id -> its channel.
+        self._channels: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._owner: dict[str, str] = {}
         log.info("replica %d up (pid %d, %d thread(s))", index, os.getpid(), threads)
 
     def facts(self) -> ReplicaFacts:
@@ -61,39 +66,52 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.index}: the engine thread has stopped")
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Abort some of a stream's requests (the rest go on): each gets a final 'abort' output."""
+        """Abort requests (the rest of their calls go on): each gets a final 'abort' output."""
         self.loop.abort(request_ids)
         for rid in request_ids:
-            queue = self._queues.get(rid)
+            cid = self._owner.get(rid)
+            queue = self._channels.get(cid) if cid is not None else None
             if queue is not None:
                 queue.put_nowait(RequestOutput(rid, (), (), (), True, "abort", None, 0, 0, None))
 
-    async def generate(self, requests: tuple[EngineRequest, ...], scope: str) -> AsyncIterator[object]:
-        """Admitted or Refused first; then, per engine step, the outputs that step produced."""
-        try:
-            queue = await self.loop.submit(requests, scope)
-        except (InvalidRequestError, RequestAborted) as exc:
-            yield Refused.of(exc)
-            return
-        pending = {r.request_id for r in requests}
-        for rid in pending:
-            self._queues[rid] = queue
+    async def channel(self, channel_id: str) -> AsyncIterator[object]:
+        """Admitted first (this incarnation), then per engine step the outputs of the channel's calls."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._channels[channel_id] = queue
         try:
             yield Admitted(self.index, self.incarnation)
-            while pending:
+            while True:
                 batch = [await queue.get()]
-                while not queue.empty():  # one message per step, not per token
+                while not queue.empty():  # one message per step, not per token or per call
                     batch.append(queue.get_nowait())
-                batch = [o for o in batch if o.request_id in pending]  # (an abort racing a finish)
+                batch = [o for o in batch if self._owner.get(o.request_id) == channel_id]  # (an abort racing a finish)
                 for out in batch:
                     if out.finished:
-                        pending.discard(out.request_id)
-                yield [to_wire(o) for o in batch]
+                        del self._owner[out.request_id]
+                if batch:
+                    yield [to_wire(o) for o in batch]
         finally:
-            for rid in requests:
-                self._queues.pop(rid.request_id, None)
-            if pending:  # cancelled by the ingress (client gone, or shutdown): free the blocks now
-                self.loop.abort(sorted(pending))
+            del self._channels[channel_id]
+            mine = sorted(rid for rid, cid in self._owner.items() if cid == channel_id)
+            for rid in mine:
+                del self._owner[rid]
+            if mine:  # the ingress went away (or cancelled the channel): free their blocks now
+                self.loop.abort(mine)
+
+    async def add(self, requests: tuple[EngineRequest, ...], scope: str, channel_id: str) -> Admitted | Refused:
+        """Admit a call (all its requests or none); its outputs flow on the channel."""
+        queue = self._channels.get(channel_id)
+        if queue is None:
+            return Refused("no-channel", "this replica has no such channel (it restarted)", None)
+        for r in requests:  # before the submit: the first output may come before we resume
+            self._owner[r.request_id] = channel_id
+        try:
+            await self.loop.submit(requests, scope, queue)
+        except (InvalidRequestError, RequestAborted) as exc:
+            for r in requests:
+                self._owner.pop(r.request_id, None)
+            return Refused.of(exc)
+        return Admitted(self.index, self.incarnation)
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -1,20 +1,25 @@
 """Owns the ingress's side of scale-out: N replicas behind one API, routed, watched and counted.
 
     Serving --submit(requests, scope)--> Router.route (scope, prompt, loads, up) -> replica i
-            --> Ray Serve handle i: generate(...) streamed --> pump task --> the call's asyncio.Queue
+            --> handle i: add(requests, scope, cid) --> Admitted | Refused
+    one channel per replica (handle i: channel(cid), streamed): per engine step one message with
+            the outputs of every call on it --> reader task --> each call's asyncio.Queue
     poller (every poll_s): stats() of each replica -> up/down, restarts (a new incarnation), figures
 
 It answers the same calls as server.engine_loop.EngineLoop (server/backend.EngineBackend), so the
-HTTP layer, tenants and formats are the same code with one engine or many.
+HTTP layer, tenants and formats are the same code with one engine or many. One channel per replica
+rather than one stream per call: a Ray message per step, not one per call per step (the Ray hop's
+cost grew with the number of calls; bench/replicas.py).
 
-Faults: a replica that dies mid-stream ends each of its unfinished requests with finish_reason
-"error" and a sentence (the client gets a clean error, never a hang); it is marked down so new
-requests go to the survivors, and a request whose replica dies before admitting it is tried on
-another. Ray Serve restarts the replica; the poller sees the new incarnation, marks it up and makes
-the router forget its prefixes (its cache is empty). Every engine request's in-flight count is
-released when its stream ends, however it ends.
+Faults: a replica that dies ends each of its unfinished requests with finish_reason "error" and a
+sentence (the client gets a clean error, never a hang); it is marked down so new requests go to
+the survivors, and a call whose replica dies (or stays silent for admit_timeout_s, or is stopping)
+before admitting it is tried on another. Ray Serve restarts the replica; the poller sees the new
+incarnation, marks it up and makes the router forget its prefixes (its cache is empty); the next
+call opens a new channel. Every engine request's in-flight count is released when it finishes,
+is aborted, or its channel fails.
 
-Only the ingress's event loop touches `_replicas`, the router and `_streams` (one writer).
+Only the ingress's event loop touches `_replicas`, their channels and the router (one writer).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,25 +50,26 @@ _SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks
 
 
 @dataclass
+class _Channel:
+    """One replica incarnation's stream of outputs to this ingress."""
+    response: Any  # DeploymentResponseGenerator of EngineReplica.channel
+    routes: dict[str, asyncio.Queue[RequestOutput]] = field(default_factory=dict)  # unfinished request -> its call's queue
+    task: asyncio.Task[None] | None = None  # the reader
+    cancelled: bool = False  # by stop(): what the stream raises next is ours, not a failure
+
+
+@dataclass
 class _Replica:
     index: int
     handle: Any  # ray.serve.handle.DeploymentHandle
     up: bool = True
-    inflight: int = 0  # engine requests routed here whose stream has not ended (the router's load)
+    inflight: int = 0  # engine requests routed here and not finished (the router's load); == len(channel.routes)
     stats: dict[str, Any] = field(default_factory=dict)  # the last stats() answer
     incarnation: str | None = None
     restarts: int = 0
-    failed_streams: int = 0
-
-
-@dataclass
-class _Stream:
-    replica: _Replica
-    response: Any  # DeploymentResponseGenerator
-    request_ids: tuple[str, ...]
-    pending: set[str]  # not yet finished
-    task: asyncio.Task[None] | None = None
-    cancelled: bool = False  # by abort() or stop(): what the stream raises next is ours, not a failure
+    failed_requests: int = 0  # engine requests cut by the replica's failure
+    channel: _Channel | None = None
+    opening: asyncio.Lock = field(default_factory=asyncio.Lock)  # one channel open at a time
 
 
 class ReplicaSet(AdmissionBound):
@@ -77,8 +84,8 @@ class ReplicaSet(AdmissionBound):
         assert len(handles) == router.num_replicas
         self.router = router
         self.poll_s = poll_s
+        self.channel_id = uuid.uuid4().hex  # this ingress's name on every replica
         self._replicas = [_Replica(i, h) for i, h in enumerate(handles)]
-        self._streams: dict[str, _Stream] = {}  # engine request id -> its stream
         self._poller: asyncio.Task[None] | None = None
         self._on_shutdown = on_shutdown
         self._stopping = False
@@ -95,11 +102,18 @@ class ReplicaSet(AdmissionBound):
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Shutdown: every call still reading gets its end ('abort'), as one engine does it."""
         self._stopping = True
         if self._poller is not None:
             self._poller.cancel()
-        for stream in {id(s): s for s in self._streams.values()}.values():
-            self._cancel(stream)
+        for replica in self._replicas:
+            channel = replica.channel
+            if channel is not None:
+                channel.cancelled = True
+                channel.response.cancel()  # the replica aborts what was added on it
+                if channel.task is not None:
+                    channel.task.cancel()
+                self._fail_routes(replica, channel, "abort", RequestAborted("the server is shutting down"))
 
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Tear the deployment down (after the HTTP server has stopped); False if that did not finish
@@ -134,11 +148,12 @@ class ReplicaSet(AdmissionBound):
         return 0  # submissions are awaited in place; nothing queues on the ingress
 
     async def submit(self, requests: Sequence[EngineRequest], cache_scope: str) -> asyncio.Queue[RequestOutput]:
-        """Route the call (all its choices to one replica: they share the prompt's blocks) and start
-        its stream. A replica that dies, stalls or is stopping before it admits the call is marked
+        """Route the call (all its choices to one replica: they share the prompt's blocks) and add it
+        there. A replica that dies, stays silent or is stopping before it admits the call is marked
         down and the next is tried; any other failure ends the call with a 503."""
         requests = tuple(requests)
         ids = tuple(r.request_id for r in requests)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         tried: set[int] = set()
         while True:
             up = [r.up and r.index not in tried for r in self._replicas]
@@ -151,99 +166,118 @@ class ReplicaSet(AdmissionBound):
             if self.decisions is not None:
                 self.decisions.labels(decision.kind).inc()
             replica = self._replicas[decision.replica]
+            try:
+                channel = await self._channel(replica)
+            except Exception as exc:
+                if not isinstance(exc, (TimeoutError, *self.death_errors)):
+                    raise self._failed_call(replica, exc) from None
+                self._mark_down(replica, exc)
+                tried.add(replica.index)
+                continue
+            for rid in ids:  # routes first: outputs may arrive on the channel before add() returns
+                channel.routes[rid] = queue
             replica.inflight += len(ids)
             response = None
             try:
-                response = replica.handle.options(stream=True).generate.remote(requests, cache_scope)
-                first = await asyncio.wait_for(response.__anext__(), self.admit_timeout_s)
+                response = replica.handle.add.remote(requests, cache_scope, self.channel_id)
+                answer = await asyncio.wait_for(response, self.admit_timeout_s)
             except BaseException as exc:
-                replica.inflight -= len(ids)
+                self._unroute(replica, channel, ids)
                 if response is not None:
                     response.cancel()
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 if not isinstance(exc, (TimeoutError, *self.death_errors)):
-                    log.error("engine replica %d failed a call before admitting it (%s)", replica.index,
-                              type(exc).__name__)
-                    raise EngineUnavailable(f"engine replica {replica.index} failed this request; retry it") from None
-                self._mark_down(replica, exc)  # dead (or silent past admit_timeout_s): the next one
+                    raise self._failed_call(replica, exc) from None
+                self._mark_down(replica, exc)
                 tried.add(replica.index)
                 continue
-            if isinstance(first, Refused):
-                replica.inflight -= len(ids)
-                if first.kind == "aborted":  # the replica is stopping (Serve replaces it): the next one
-                    self._mark_down(replica, RequestAborted(first.message))
+            if isinstance(answer, Refused):
+                self._unroute(replica, channel, ids)
+                if answer.kind in ("aborted", "no-channel"):  # stopping, or restarted under our channel
+                    self._mark_down(replica, RequestAborted(answer.message))
                     tried.add(replica.index)
                     continue
-                raise first.error()
-            assert isinstance(first, Admitted)
-            self._note_incarnation(replica, first.incarnation)
-            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            stream = _Stream(replica, response, ids, set(ids))
-            for rid in ids:
-                self._streams[rid] = stream
-            stream.task = asyncio.get_running_loop().create_task(self._pump(stream, queue))
+                raise answer.error()
+            assert isinstance(answer, Admitted)
             return queue
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Client gone: a stream all of whose requests are aborted is cancelled (the replica frees
-        their blocks); a part of one is aborted on its replica."""
-        by_stream: dict[int, tuple[_Stream, list[str]]] = {}
-        for rid in request_ids:
-            stream = self._streams.get(rid)
-            if stream is not None and rid in stream.pending:
-                by_stream.setdefault(id(stream), (stream, []))[1].append(rid)
-        for stream, rids in by_stream.values():
-            if set(rids) >= stream.pending:
-                self._cancel(stream)
-            else:
-                stream.replica.handle.abort.remote(rids)
+        """Client gone: the requests are aborted on their replica (their blocks freed there); their
+        outputs are dropped from now on."""
+        by_replica: dict[int, list[str]] = {}
+        for replica in self._replicas:
+            channel = replica.channel
+            if channel is None:
+                continue
+            mine = [rid for rid in request_ids if rid in channel.routes]
+            if mine:
+                self._unroute(replica, channel, mine)
+                by_replica[replica.index] = mine
+        for index, rids in by_replica.items():
+            self._replicas[index].handle.abort.remote(rids)
 
-    @staticmethod
-    def _cancel(stream: _Stream) -> None:
-        stream.cancelled = True  # first: Serve answers a cancelled stream with an error of its own
-        stream.response.cancel()
-        if stream.task is not None:
-            stream.task.cancel()
-
-    # -- streams -------------------------------------------------------------------------------------
-    async def _pump(self, stream: _Stream, queue: asyncio.Queue[RequestOutput]) -> None:
-        replica = stream.replica
-        try:
-            async for batch in stream.response:
-                for out in batch:
-                    if out.finished:
-                        stream.pending.discard(out.request_id)
-                    queue.put_nowait(out)
-            if stream.pending:  # the stream ended early: never leave a consumer waiting
-                raise IsolabError("the replica's stream ended before its requests did")
-        except BaseException as exc:
-            if stream.cancelled or isinstance(exc, asyncio.CancelledError):
-                if self._stopping:  # shutdown: a consumer still reading gets its end, as one engine does it
-                    self._finish(stream, queue, "abort", RequestAborted("the server is shutting down"))
-                if not isinstance(exc, asyncio.CancelledError):
-                    return  # Serve's own "request cancelled" error: we cancelled it, the replica is fine
+    # -- channels ------------------------------------------------------------------------------------
+    async def _channel(self, replica: _Replica) -> _Channel:
+        """The replica's open channel, opened (and its reader started) if it has none."""
+        async with replica.opening:
+            if replica.channel is not None:
+                return replica.channel
+            response = replica.handle.options(stream=True).channel.remote(self.channel_id)
+            try:
+                hello = await asyncio.wait_for(response.__anext__(), self.admit_timeout_s)
+            except BaseException:
+                response.cancel()
                 raise
-            stream.response.cancel()
-            replica.failed_streams += 1
+            assert isinstance(hello, Admitted)
+            self._note_incarnation(replica, hello.incarnation)
+            channel = replica.channel = _Channel(response)
+            channel.task = asyncio.get_running_loop().create_task(self._read(replica, channel))
+            return channel
+
+    async def _read(self, replica: _Replica, channel: _Channel) -> None:
+        try:
+            async for batch in channel.response:
+                for out in batch:
+                    queue = channel.routes.get(out.request_id)
+                    if queue is None:
+                        continue  # aborted here already
+                    if out.finished:
+                        self._unroute(replica, channel, (out.request_id,))
+                    queue.put_nowait(out)
+            raise IsolabError("the replica closed its channel")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if channel.cancelled:
+                return  # stop() cancelled it: Serve's "request cancelled" error is ours
+            if replica.channel is channel:
+                replica.channel = None  # the next call opens a new one
             if isinstance(exc, self.death_errors):
                 self._mark_down(replica, exc)
                 message = f"engine replica {replica.index} stopped while serving this request; retry it"
             else:
-                log.error("engine replica %d failed a stream (%s)", replica.index, type(exc).__name__)
+                log.error("engine replica %d: its channel failed (%s)", replica.index, type(exc).__name__)
                 message = f"engine replica {replica.index} failed this request; retry it"
-            self._finish(stream, queue, "error", EngineUnavailable(message))
-        finally:
-            replica.inflight -= len(stream.request_ids)
-            for rid in stream.request_ids:
-                self._streams.pop(rid, None)
+            channel.response.cancel()
+            replica.failed_requests += len(channel.routes)
+            self._fail_routes(replica, channel, "error", EngineUnavailable(message))
 
-    @staticmethod
-    def _finish(stream: _Stream, queue: asyncio.Queue[RequestOutput], reason: str, error: IsolabError) -> None:
-        """A final output for each request of the stream still unfinished."""
-        for rid in sorted(stream.pending):
+    def _unroute(self, replica: _Replica, channel: _Channel, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            if channel.routes.pop(rid, None) is not None:
+                replica.inflight -= 1
+
+    def _fail_routes(self, replica: _Replica, channel: _Channel, reason: str, error: IsolabError) -> None:
+        """A final output for every request still routed on the channel; none stays counted."""
+        for rid, queue in sorted(channel.routes.items()):
             queue.put_nowait(RequestOutput(rid, (), (), (), True, reason, None, 0, 0, error))
-        stream.pending.clear()
+        self._unroute(replica, channel, list(channel.routes))
+
+    def _failed_call(self, replica: _Replica, exc: BaseException) -> EngineUnavailable:
+        """An error that is no death (a bug, a Ray failure): the call fails, the replica stays up."""
+        log.error("engine replica %d failed a call (%s)", replica.index, type(exc).__name__)
+        return EngineUnavailable(f"engine replica {replica.index} failed this request; retry it")
 
     # -- health --------------------------------------------------------------------------------------
     def _mark_down(self, replica: _Replica, exc: BaseException) -> None:
@@ -324,7 +358,8 @@ class _ReplicaCollector(Collector):
             ("isolab_replica_prefix_cache_hits_tokens", "prompt tokens served from the replica's prefix cache",
              lambda r: float(r.stats.get("prefix_cache_hits_tokens", 0)), True),
             ("isolab_replica_restarts", "times the replica came back with a new incarnation", lambda r: float(r.restarts), True),
-            ("isolab_replica_failed_streams", "streams cut by the replica's failure", lambda r: float(r.failed_streams), True),
+            ("isolab_replica_failed_requests", "engine requests cut by the replica's failure",
+             lambda r: float(r.failed_requests), True),
         ]
         for name, doc, value, counter in figures:
             fam: GaugeMetricFamily | CounterMetricFamily = (CounterMetricFamily(name, doc, labels=["replica"]) if counter

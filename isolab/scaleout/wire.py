@@ -36,7 +36,7 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Refused:
-    kind: str  # "too-long" | "invalid" | "aborted"
+    kind: str  # "too-long" | "invalid" | "aborted" (the replica is stopping) | "no-channel" (it restarted)
     message: str
     field: str | None
 

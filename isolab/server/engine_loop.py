@@ -124,12 +124,13 @@ class EngineLoop(AdmissionBound):
 
     # -- asyncio side --------------------------------------------------------------------------------
     async def submit(
-        self, requests: Sequence[EngineRequest], cache_scope: str
+        self, requests: Sequence[EngineRequest], cache_scope: str, queue: asyncio.Queue[RequestOutput] | None = None
     ) -> asyncio.Queue[RequestOutput]:
         """Add the requests (all or none); their outputs arrive, in step order, on the one queue
-        returned. Raises the engine's InvalidRequestError if it refuses any of them."""
+        returned (`queue` when given: a scale-out replica multiplexes many calls onto one). Raises
+        the engine's InvalidRequestError if it refuses any of them."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         admitted: asyncio.Future[None] = loop.create_future()
         self._push(_Add(tuple(requests), cache_scope, loop, queue, admitted))
         try:

@@ -27,9 +27,9 @@ class FakeResponse:
         self.replica = replica
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = False
-        if replica.dead or replica.fail_with is not None:
+        if replica.dead:
             self.task = None
-            self.queue.put_nowait(("dead", None) if replica.dead else ("raise", replica.fail_with))
+            self.queue.put_nowait(("dead", None))
         else:
             self.task = asyncio.get_running_loop().create_task(self._drive(agen))
             replica.responses.append(self)
@@ -51,8 +51,6 @@ class FakeResponse:
         kind, item = await self.queue.get()
         if kind == "dead":
             raise ActorDied("the actor died unexpectedly before finishing this task")
-        if kind == "raise":
-            raise item
         if kind == "cancelled":
             raise RequestCancelled("the request was cancelled")
         if kind == "end":
@@ -79,18 +77,30 @@ class FakeReplica:
         self.replica = EngineReplica(config, index, threads=1)
         self.dead = False
         self.fail_with: Exception | None = None  # calls fail with this (an application error, not a death)
-        self.num_generate_calls = 0
+        self.num_calls = 0
         self.responses: list[FakeResponse] = []
-        self.generate = _Method(self._generate)
+        self.channel = _Method(self._channel)
+        self.add = _Method(self._add)
         self.stats = _Method(self._stats)
         self.abort = _Method(lambda ids: asyncio.ensure_future(self.replica.abort(ids)))
 
     def options(self, **kw: Any) -> FakeReplica:
         return self
 
-    def _generate(self, requests: Any, scope: str) -> FakeResponse:
-        self.num_generate_calls += 1
-        return FakeResponse(self, self.replica.generate(requests, scope))
+    def _channel(self, channel_id: str) -> FakeResponse:
+        self.num_calls += 1
+        return FakeResponse(self, self.replica.channel(channel_id))
+
+    def _add(self, requests: Any, scope: str, channel_id: str) -> asyncio.Task[Any]:
+        self.num_calls += 1
+
+        async def call() -> Any:
+            if self.dead:
+                raise ActorDied("the actor is dead")
+            if self.fail_with is not None:
+                raise self.fail_with
+            return await self.replica.add(requests, scope, channel_id)
+        return asyncio.ensure_future(call())  # like a DeploymentResponse: awaitable, cancellable
 
     def _stats(self) -> asyncio.Task[dict[str, Any]]:
         async def call() -> dict[str, Any]:

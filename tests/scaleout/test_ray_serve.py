@@ -174,7 +174,7 @@ def test_a_client_that_goes_away_frees_its_request_on_the_replica(cluster):
     assert [r["up"] for r in h["replicas"]] == [True, True]
     after = cluster.metrics()
     for i in ("0", "1"):
-        key = f'isolab_replica_failed_streams_total{{replica="{i}"}}'
+        key = f'isolab_replica_failed_requests_total{{replica="{i}"}}'
         assert after[key] == before[key]
     assert after["isolab_kv_blocks_used"] == 0
 
@@ -223,7 +223,7 @@ def test_a_replica_killed_under_load(cluster):
     h = cluster.wait_idle()
     assert h["admitted"] == 0
     metrics = cluster.metrics()
-    assert metrics['isolab_replica_failed_streams_total{replica="0"}'] == len(errors)
+    assert metrics['isolab_replica_failed_requests_total{replica="0"}'] == len(errors)
     assert metrics["isolab_kv_blocks_used"] == 0 and metrics["isolab_num_requests_running"] == 0
     r = c.completions.create(model=m, prompt="And the restarted one serves too", max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason == "length"

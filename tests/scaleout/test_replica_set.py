@@ -47,6 +47,12 @@ async def drain(queue, ids):
     return outs
 
 
+def home_of(rs: ReplicaSet, rid: str) -> int:
+    """The replica whose channel carries the request (while it is unfinished)."""
+    (index,) = [r.index for r in rs._replicas if r.channel is not None and rid in r.channel.routes]
+    return index
+
+
 def idle(fake: FakeReplica) -> bool:
     e = fake.replica.engine
     return not e.has_unfinished() and e.kv.num_held_blocks() == 0
@@ -68,7 +74,10 @@ def test_calls_stream_route_and_release(fakes):
         assert sum(len(o.new_token_ids) for o in outs) == 16
         await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas))
         q = await rs.submit([req("b-0")], "t:alice")  # the same prompt: the same replica, from its cache
+        q2 = await rs.submit([req("b-1", seed=3)], "t:alice")
+        assert sum(len(f.replica._channels) for f in fakes) <= 2  # calls share their replica's one channel
         outs = await drain(q, ["b-0"])
+        await drain(q2, ["b-1"])
         assert outs[-1].num_cached_tokens == 32
         await rs.refresh()
         assert rs.stats["prefix_cache_hits_tokens"] == 32  # the repeat (n=2 ran in one step: no hit yet)
@@ -79,7 +88,7 @@ def test_a_replica_dying_mid_stream_fails_its_requests_cleanly_and_traffic_moves
     async def main():
         rs = make_set(fakes)
         q = await rs.submit([req("long", max_tokens=400)], "t:alice")
-        home = rs._streams["long"].replica.index
+        home = home_of(rs, "long")
         await asyncio.wait_for(q.get(), 30)  # it is running
         fakes[home].kill()
         outs = await drain(q, ["long"])
@@ -87,9 +96,9 @@ def test_a_replica_dying_mid_stream_fails_its_requests_cleanly_and_traffic_moves
         assert last.finish_reason == "error" and isinstance(last.error, EngineUnavailable)
         assert f"replica {home}" in str(last.error)
         await wait_for(lambda: rs._replicas[home].inflight == 0)
-        assert not rs._replicas[home].up and rs._replicas[home].failed_streams == 1
+        assert not rs._replicas[home].up and rs._replicas[home].failed_requests == 1
         q = await rs.submit([req("next", seed=0)], "t:alice")  # the same prefix: its replica is down
-        assert rs._streams["next"].replica.index == 1 - home
+        assert home_of(rs, "next") == 1 - home
         await drain(q, ["next"])
         fakes[home].restart()
         await rs.refresh()
@@ -106,14 +115,14 @@ def test_a_replica_dead_before_admitting_is_retried_on_another(fakes):
         fakes[1].dead = False
         rs._replicas[1].inflight += 5  # busier: the router picks replica 0 first
         q = await rs.submit([req("r0")], "t:alice")
-        assert fakes[0].num_generate_calls == 1  # it was tried ...
-        assert rs._streams["r0"].replica.index == 1  # ... and failed, so replica 1 took it
+        assert fakes[0].num_calls == 1  # it was tried (its channel would not open) ...
+        assert home_of(rs, "r0") == 1  # ... and failed, so replica 1 took it
         rs._replicas[1].inflight -= 5
         await drain(q, ["r0"])
         assert not rs._replicas[0].up
         for i in range(1, 4):  # and the next calls go to the survivor at once
             q = await rs.submit([req(f"r{i}", seed=i)], f"t:{i}")
-            assert rs._streams[f"r{i}"].replica.index == 1
+            assert home_of(rs, f"r{i}") == 1
             await drain(q, [f"r{i}"])
         fakes[1].dead = True
         rs._replicas[1].up = True
@@ -127,13 +136,12 @@ def test_abort_frees_the_replicas_blocks(fakes):
     async def main():
         rs = make_set(fakes)
         q = await rs.submit([req("c-0", max_tokens=400), req("c-1", max_tokens=400)], "t:bob")
-        home = fakes[rs._streams["c-0"].replica.index]
+        home = fakes[home_of(rs, "c-0")]
         await asyncio.wait_for(q.get(), 30)
         rs.abort(["c-0", "c-1"])  # the client went away
         await wait_for(lambda: idle(home))
-        await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas) and not rs._streams)
-        # Serve answers a cancelled stream with an error: ours, not the replica's failure
-        assert all(r.up and r.failed_streams == 0 for r in rs._replicas)
+        await wait_for(lambda: all(r.inflight == 0 for r in rs._replicas))
+        assert all(r.up and r.failed_requests == 0 for r in rs._replicas)
         q = await rs.submit([req("d-0", max_tokens=400), req("d-1", max_tokens=100)], "t:bob")
         await asyncio.wait_for(q.get(), 30)
         rs.abort(["d-0"])  # a part of a call: aborted on its replica, the rest goes on
@@ -161,5 +169,19 @@ def test_a_replica_error_that_is_no_death_fails_the_call_but_keeps_the_replica(f
             await rs.submit([req("e0")], "t:alice")
         rs._replicas[1].inflight -= 5
         assert rs._replicas[0].up and all(r.inflight == 0 for r in rs._replicas)
-        assert fakes[1].num_generate_calls == 0  # not retried elsewhere: it may be the request's fault
+        assert fakes[1].num_calls == 0  # not retried elsewhere: it may be the request's fault
+    asyncio.run(main())
+
+
+def test_shutdown_ends_every_call_still_reading(fakes):
+    async def main():
+        rs = make_set(fakes)
+        q = await rs.submit([req("s-0", max_tokens=400)], "t:alice")
+        home = fakes[home_of(rs, "s-0")]
+        await asyncio.wait_for(q.get(), 30)
+        rs.stop()
+        outs = await drain(q, ["s-0"])
+        assert outs[-1].finish_reason == "abort" and "shutting down" in str(outs[-1].error)
+        await wait_for(lambda: idle(home))  # the cancelled channel aborted it on the replica
+        assert all(r.inflight == 0 for r in rs._replicas)
     asyncio.run(main())
