@@ -376,7 +376,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     q = torch.empty(m, k, dtype=torch.int8)
     d = torch.empty(m, k // 32)
     xs = torch.empty(m, k // 32)
-    _library().isolab_quantize_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, k, q.data_ptr(),
+    lib = _library()
+    assert lib is not None, "quantize_rows needs the native kernels"
+    lib.isolab_quantize_rows(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, k, q.data_ptr(),
                                     d.data_ptr(), xs.data_ptr())
     return q, d, xs
 

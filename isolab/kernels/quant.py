@@ -56,7 +56,7 @@ def _nibbles32(qs: np.ndarray) -> np.ndarray:  # (..., 16) bytes -> (..., 32): l
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def unpack_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Unpacked:
+def unpack_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Unpacked:
     """A GGUF tensor's bytes (N rows of blocks) -> integers and scales, exactly (no rounding)."""
     n, k = shape
     if qtype == "Q8_0":
@@ -91,14 +91,14 @@ def unpack_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> Unpacked
                         (-(dmin * m.astype(np.float32))).reshape(n, -1), qtype)
     if qtype == "Q6_K":
         b = _blocks(raw, n, 210).reshape(-1, 210)
-        ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        ql = (ql & 0x0F).reshape(-1, 2, 128)
-        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        qh = (qh & 0x03).reshape(-1, 2, 128)
-        q = ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+        ql_all = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        lo6 = (ql_all & 0x0F).reshape(-1, 2, 128)
+        qh_all = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        hi6 = (qh_all & 0x03).reshape(-1, 2, 128)
+        q6 = ((lo6 | (hi6 << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
         sc = b[:, 192:208].view(np.int8).astype(np.float32)  # (B, 16)
         d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # (B, 1)
-        return Unpacked(S8G16, q, (d * sc).reshape(n, -1), None, qtype)
+        return Unpacked(S8G16, q6, (d * sc).reshape(n, -1), None, qtype)
     raise ValueError(f"{qtype} is not a native quantized type ({', '.join(NATIVE_TYPES)})")
 
 

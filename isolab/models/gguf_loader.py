@@ -117,7 +117,7 @@ class LoadedGGUF:
     # SHA-256 over the file's bytes: part of every prefix-cache key (weights shape the KV values).
     fingerprint: str
     metadata: dict[str, object]
-    mapping: object = None  # the file's mmap (raw tensors are views of it)
+    mapping: mmap.mmap | None = None  # the file's mmap (raw tensors are views of it)
 
     def release_pages(self) -> None:
         """Drop the file's pages that reading touched (clean, file-backed: read again on use), so a

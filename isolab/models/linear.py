@@ -113,7 +113,8 @@ class QuantWeight:
         self.packed = quant.pack(u) if native else None  # uint8 (N/16, K/32, record)
         self.ref = None if native else quant.TorchUnpacked(u, device)
         self.out_dtype = out_dtype  # None: the input's dtype
-        self._run = kernels.qgemm_bound(self.packed, u.fmt, self.fp16, self.n, out_dtype) if native else None
+        self._run = (kernels.qgemm_bound(self.packed, u.fmt, self.fp16, self.n, out_dtype)
+                     if self.packed is not None else None)
         # FAULT batch-variant-gemm: the dense (N, K) weights of the big-batch path
         self.big_batch = torch.from_numpy(u.dense()).to(device) if split_k else None
 

@@ -128,7 +128,9 @@ class Router:
                     del table[h]
 
     def num_entries(self, scope: str, owner: str | None = None) -> int:
-        return len(self._tables.get(owner if owner is not None else scope, {}).get(scope, ()))
+        scopes = self._tables.get(owner if owner is not None else scope)
+        table = None if scopes is None else scopes.get(scope)
+        return 0 if table is None else len(table)
 
     def _table(self, owner: str, scope: str) -> OrderedDict[bytes, int]:
         scopes = self._tables.get(owner)
