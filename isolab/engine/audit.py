@@ -66,6 +66,8 @@ class Auditor:
                 return self._record(_violation("read", req, b, f"a released entry {i} of KV group {group} is in the window"))
             if ref.generation != b.generation:
                 return self._record(_violation("read", req, b, f"the block was reused since generation {ref.generation}"))
+            if b.group != group:  # the same positions of other layers: a key that forgot its group
+                return self._record(_violation("read", req, b, f"a block of KV group {b.group} in group {group}'s table"))
             if b.ref_cnt == 0:
                 return self._record(_violation("read", req, b, "the reader released the block: nobody holds it"))
             own = b.state is BlockState.ALLOCATED and b.writer == req.request_id

@@ -50,6 +50,7 @@ class KVBlock:
     key: BlockKey | None = None  # set iff this block is the cached block for `key`
     sealed_tokens: tuple[int, ...] | None = None  # the tokens it held when sealed: hits are confirmed on these
     checksum: bytes | None = None  # audit: digest of the K/V once sealed
+    group: int = 0  # the KV cache group whose layers this life holds (kv_groups.py; set at allocation)
 
 
 class BlockStorage(Protocol):

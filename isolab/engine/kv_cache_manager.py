@@ -231,6 +231,7 @@ class KVCacheManager:
                 table.append(BlockRef(block, block.generation))
         for g, table in enumerate(tables):
             for block in self.pool.allocate(needs[g], request.request_id, request.scope):
+                block.group = g  # this life holds group g's layers: the audit checks every reader's group
                 table.append(BlockRef(block, block.generation))
         return True
 
@@ -307,12 +308,14 @@ class KVCacheManager:
                 self._partial_index[(group, keys[i - 1] if i else None, request.scope)] = block
 
     def free(self, request: Request) -> None:
-        """Release every block the request holds, each group's tail first (so the tail is evicted first)."""
+        """Release every block the request holds, the tail position first across all groups (so tails
+        are evicted first: a hit needs every group's blocks of its prefix, so no group's head may go
+        before another group's tail)."""
         tables = self._tables.pop(request.request_id, [])
-        for table in tables:
-            held = [ref.block for ref in reversed(table) if ref is not self._null]
-            self._forget_partial(request, held)
-            self.pool.release(held, holder=request.request_id)
+        n = max((len(t) for t in tables), default=0)
+        held = [t[i].block for i in reversed(range(n)) for t in tables if i < len(t) and t[i] is not self._null]
+        self._forget_partial(request, held)
+        self.pool.release(held, holder=request.request_id)
 
     def _forget_partial(self, request: Request, blocks: list[KVBlock]) -> None:
         if self._partial_index:

@@ -226,10 +226,35 @@ def test_every_groups_hits_leave_the_free_queue_before_any_allocation():
     spare = m.pool.allocate(2, "x", None)  # 5, 6
     m.free(a)
     m.pool.release(spare, "x")
-    assert list(m.pool.free_queue) == [2, 1, 4, 3, 5, 6]
+    assert list(m.pool.free_queue) == [2, 4, 1, 3, 5, 6]  # tail position first, across the groups
     b = _req("b", list(range(10, 18)) + [99])
     prefix = m.get_computed_blocks(b)
     assert prefix.num_tokens == 8
     _step(m, b, 8, 1, prefix)
     assert m.block_table(b, group=0) == [1, 2, 5] and m.block_table(b, group=1) == [3, 4, 6]
     m.pool.check_invariants()
+
+
+def test_a_block_key_that_forgets_its_group_is_caught_by_the_audit(gemma_bundle, monkeypatch):
+    """Group g's blocks are keyed apart from group 0's (hashing.group_block_key). If the key forgot
+    the group, a hit would hand a local layer the global layers' K/V for the same tokens: same
+    scope, same tokens, an intact checksum. The audit checks each block's group and names it;
+    without audit the output is wrong."""
+    p = _prompt(gemma_bundle, 120)
+    first = Arrival(0, "first", p + _prompt(gemma_bundle, 9, seed=2), GREEDY)
+    second = Arrival(0, "second", p + _prompt(gemma_bundle, 13, seed=3), GREEDY)
+    healthy = _engine(gemma_bundle, audit=True)
+    drive(healthy, [first])
+    assert drive(healthy, [second]).errors() == []
+    cold = drive(_engine(gemma_bundle, prefix=False), [second]).finished["second"]
+    from isolab.engine.hashing import KeyPolicy
+
+    monkeypatch.setattr(KeyPolicy, "group_key", lambda self, key, group: key)  # the bug
+    audited = _engine(gemma_bundle, audit=True)
+    drive(audited, [first])
+    caught = drive(audited, [second]).errors()
+    assert caught and isinstance(caught[0][1], IsolationViolation) and "KV group" in str(caught[0][1])
+    plain = _engine(gemma_bundle)
+    drive(plain, [first])
+    wrong = drive(plain, [second]).finished["second"]
+    assert wrong.num_cached_tokens > 0 and wrong.logprobs != cold.logprobs
