@@ -156,17 +156,29 @@ class KVCacheManager:
                 run.append(block)
             found[g] = run
             k = len(run)
-        # window groups: the longest k whose window blocks first_needed_block(k * bs)..k-1 are cached
-        for g, window in enumerate(self.windows):
-            if window:
-                found[g] = [cached(g, i) for i in range(k)]
-        while k > 0 and not all(
-            all(b is not None for b in found[g][first_needed_block(k * bs, w, bs) : k])
-            for g, w in enumerate(self.windows) if w
-        ):
-            k -= 1
+        # window groups: the longest k whose window blocks first_needed_block(k * bs)..k-1 are cached,
+        # looked up lazily (only window blocks, each once): a block missing at index j rules out every
+        # k' in (j, k], since their windows start at or before j (first_needed_block grows with k)
+        looked: dict[tuple[int, int], KVBlock | None] = {}
+
+        def window_block(g: int, i: int) -> KVBlock | None:
+            if (g, i) not in looked:
+                looked[g, i] = cached(g, i)
+            return looked[g, i]
+
+        def missing(k: int) -> int | None:
+            for g, w in enumerate(self.windows):
+                if w:
+                    for i in reversed(range(first_needed_block(k * bs, w, bs), k)):
+                        if window_block(g, i) is None:
+                            return i
+            return None
+
+        while k > 0 and (j := missing(k)) is not None:
+            k = j
         starts = tuple(first_needed_block(k * bs, w, bs) for w in self.windows)
-        hits = [list(found[g][starts[g] : k]) for g in range(self.num_groups)]
+        hits = [list(found[g][starts[g] : k]) if not w else [window_block(g, i) for i in range(starts[g], k)]
+                for g, w in enumerate(self.windows)]
         num_hit = k * bs
         if self.write_shared:
             extra = [self._partial_hit(request, g, k, keys) for g in range(self.num_groups)]

@@ -58,8 +58,7 @@ class EngineReplica:
                             numerics=e.model.numerics)
 
     def stats(self) -> dict[str, float | str]:
-        return {**self.loop.stats, "pid": os.getpid(), "incarnation": self.incarnation,
-                "reserved": self.loop.num_reserved}
+        return {**self.loop.stats, "pid": os.getpid(), "incarnation": self.incarnation}
 
     def check_health(self) -> None:
         if not self.loop.alive:

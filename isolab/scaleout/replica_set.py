@@ -41,12 +41,13 @@ from isolab.errors import EngineUnavailable, IsolabError, RequestAborted
 from isolab.scaleout.router import DECISIONS, Router
 from isolab.scaleout.wire import Admitted, Refused
 from isolab.server.engine_loop import AdmissionBound, EngineRequest
+from isolab.server.metrics import ENGINE_FIGURES
 from isolab.server.tenants import scope_owner
 
 log = logging.getLogger("isolab.scaleout")
 
-_SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prefix_cache_queries_tokens",
-           "prefix_cache_hits_tokens", "preemptions", "evictions", "audit_violations", "steps")
+# the engine figures the server reports (and the queue length): summed over the replicas
+_SUMMED = (*(key for key, *_ in ENGINE_FIGURES), "waiting")
 
 
 @dataclass
@@ -287,7 +288,7 @@ class ReplicaSet(AdmissionBound):
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(r) for r in self._replicas))
+            await self.refresh()
             await asyncio.sleep(self.poll_s)
 
     async def _poll(self, replica: _Replica) -> None:

@@ -17,7 +17,7 @@ from isolab.models.invariance import InvarianceReport
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # (stats key, metric name, help, kind)
-_ENGINE_FIGURES = (
+ENGINE_FIGURES = (
     ("running", "isolab_num_requests_running", "engine requests being computed", "gauge"),
     ("kv_blocks_used", "isolab_kv_blocks_used", "KV blocks held by requests or cached", "gauge"),
     ("kv_blocks_free", "isolab_kv_blocks_free", "KV blocks free (including evictable cached ones)", "gauge"),
@@ -38,7 +38,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.snapshot()
-        for key, name, doc, kind in _ENGINE_FIGURES:
+        for key, name, doc, kind in ENGINE_FIGURES:
             value = float(stats.get(key, 0))
             yield GaugeMetricFamily(name, doc, value=value) if kind == "gauge" else CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(

@@ -15,7 +15,7 @@ import functools
 import pytest
 
 from isolab.testing.workload import make_engine, torch_threads
-from tests.engine.workload import make_specs, run_mixed, run_solo
+from tests.engine.workload import assert_hit_equals_miss, make_specs, run_mixed, run_solo
 
 THREADS = [pytest.param(1, id="one-thread"), pytest.param(None, id="default-threads", marks=pytest.mark.slow)]
 
@@ -72,16 +72,7 @@ def test_200_mixed_requests_equal_solo_on_tiny(tiny_path, threads):
 
 
 def test_prefix_hit_equals_miss_on_tiny(tiny_bundle):
-    from dataclasses import replace
-
-    vocab = tiny_bundle.hparams.vocab_size
-    specs = make_specs(30, vocab, seed=11, cancel_share=0.0, spread=0)
-    eng = make_engine(tiny_bundle, 400, max_seqs=32, budget=128)
-    cold = run_mixed(eng, specs)
-    warm = run_mixed(eng, [replace(s, step=0, cancel_after=None) for s in specs])
-    assert sum(w.num_cached_tokens for w in warm.values()) > 0
-    for s in specs:
-        assert (warm[s.rid].token_ids, warm[s.rid].logprobs) == (cold[s.rid].token_ids, cold[s.rid].logprobs)
+    assert_hit_equals_miss(tiny_bundle)
 
 
 @pytest.mark.real

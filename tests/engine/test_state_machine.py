@@ -153,11 +153,12 @@ def test_machine_catches_each_cache_fault(fault):
 
 def test_window_machine_catches_a_block_released_too_early(monkeypatch):
     """The window invariant is not vacuous: releasing one block too early (an off-by-one in the
-    window arithmetic) is found."""
+    window arithmetic) is found: as a released block the window reads, or, when Hypothesis reaches it
+    first, as a write into a block released under the writer (the pool refuses it)."""
     import isolab.engine.kv_cache_manager as kvm
 
     monkeypatch.setattr(kvm, "first_needed_block", lambda n, w, bs: first_needed_block(n, w, bs) + (1 if w else 0))
-    with pytest.raises(AssertionError, match="window still reads"):
+    with pytest.raises(AssertionError, match="window still reads|not writable"):
         run_state_machine_as_test(
             WindowMachine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None, database=None,
                                              print_blob=False, phases=(Phase.explicit, Phase.generate))

@@ -46,3 +46,17 @@ def run_solo(bundle, specs: list[Arrival], *, threads: int | None = 1) -> dict[s
     with torch_threads(threads):
         eng = make_engine(bundle, 64, prefix=False, max_seqs=32, budget=128)
         return run_alone(eng, specs)
+
+
+def assert_hit_equals_miss(bundle, n: int = 30, seed: int = 11) -> None:  # noqa: ANN001
+    """n requests, then the same n again on the same engine: the second time from the prefix cache,
+    with the same tokens and logprobs as the first (a hit restores exactly what a miss computed)."""
+    from dataclasses import replace
+
+    specs = make_specs(n, bundle.hparams.vocab_size, seed=seed, cancel_share=0.0, spread=0)
+    eng = make_engine(bundle, 400, max_seqs=32, budget=128)
+    cold = run_mixed(eng, specs)
+    warm = run_mixed(eng, [replace(s, step=0, cancel_after=None) for s in specs])
+    assert sum(w.num_cached_tokens for w in warm.values()) > 0
+    for s in specs:
+        assert (warm[s.rid].token_ids, warm[s.rid].logprobs) == (cold[s.rid].token_ids, cold[s.rid].logprobs)

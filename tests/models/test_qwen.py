@@ -92,20 +92,9 @@ def test_batch_invariance_and_its_fault_on_the_family(family, tmp_path, qtype):
 
 def test_prefix_hit_equals_miss_on_the_family(family):
     """The same 30 requests twice on one engine: the second time from the prefix cache, same bits."""
-    from dataclasses import replace
+    from tests.engine.workload import assert_hit_equals_miss
 
-    from isolab.testing.workload import make_engine
-    from tests.engine.workload import make_specs, run_mixed
-
-    _, _, path = family
-    bundle = load_bundle(str(path), "bf16", "cpu", weights="native")
-    specs = make_specs(30, bundle.hparams.vocab_size, seed=11, cancel_share=0.0, spread=0)
-    eng = make_engine(bundle, 400, max_seqs=32, budget=128)
-    cold = run_mixed(eng, specs)
-    warm = run_mixed(eng, [replace(s, step=0, cancel_after=None) for s in specs])
-    assert sum(w.num_cached_tokens for w in warm.values()) > 0
-    for s in specs:
-        assert (warm[s.rid].token_ids, warm[s.rid].logprobs) == (cold[s.rid].token_ids, cold[s.rid].logprobs)
+    assert_hit_equals_miss(load_bundle(str(family[2]), "bf16", "cpu", weights="native"))
 
 
 @pytest.mark.parametrize("fault", [s.fault for s in SCENARIOS if s.fault != "batch-variant-gemm"])

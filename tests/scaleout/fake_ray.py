@@ -77,6 +77,7 @@ class FakeReplica:
         self.replica = EngineReplica(config, index, threads=1)
         self.dead = False
         self.fail_with: Exception | None = None  # calls fail with this (an application error, not a death)
+        self.stalled = False  # add() never answers
         self.num_calls = 0
         self.responses: list[FakeResponse] = []
         self.channel = _Method(self._channel)
@@ -99,6 +100,8 @@ class FakeReplica:
                 raise ActorDied("the actor is dead")
             if self.fail_with is not None:
                 raise self.fail_with
+            if self.stalled:
+                await asyncio.Event().wait()  # alive but never answers
             return await self.replica.add(requests, scope, channel_id)
         return asyncio.ensure_future(call())  # like a DeploymentResponse: awaitable, cancellable
 

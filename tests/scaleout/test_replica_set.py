@@ -48,7 +48,8 @@ async def drain(queue, ids):
 
 
 def home_of(rs: ReplicaSet, rid: str) -> int:
-    """The replica whose channel carries the request (while it is unfinished)."""
+    """The replica whose channel carries the request (while it is unfinished: ask right after submit,
+    of a request long enough not to have finished while submit awaited its admission)."""
     (index,) = [r.index for r in rs._replicas if r.channel is not None and rid in r.channel.routes]
     return index
 
@@ -97,7 +98,7 @@ def test_a_replica_dying_mid_stream_fails_its_requests_cleanly_and_traffic_moves
         assert f"replica {home}" in str(last.error)
         await wait_for(lambda: rs._replicas[home].inflight == 0)
         assert not rs._replicas[home].up and rs._replicas[home].failed_requests == 1
-        q = await rs.submit([req("next", seed=0)], "t:alice")  # the same prefix: its replica is down
+        q = await rs.submit([req("next", seed=0, max_tokens=200)], "t:alice")  # the same prefix: its replica is down
         assert home_of(rs, "next") == 1 - home
         await drain(q, ["next"])
         fakes[home].restart()
@@ -114,14 +115,14 @@ def test_a_replica_dead_before_admitting_is_retried_on_another(fakes):
         fakes[0].dead = True  # died, and no poll has noticed yet: the router still thinks it is up
         fakes[1].dead = False
         rs._replicas[1].inflight += 5  # busier: the router picks replica 0 first
-        q = await rs.submit([req("r0")], "t:alice")
+        q = await rs.submit([req("r0", max_tokens=200)], "t:alice")
         assert fakes[0].num_calls == 1  # it was tried (its channel would not open) ...
         assert home_of(rs, "r0") == 1  # ... and failed, so replica 1 took it
         rs._replicas[1].inflight -= 5
         await drain(q, ["r0"])
         assert not rs._replicas[0].up
         for i in range(1, 4):  # and the next calls go to the survivor at once
-            q = await rs.submit([req(f"r{i}", seed=i)], f"t:{i}")
+            q = await rs.submit([req(f"r{i}", seed=i, max_tokens=200)], f"t:{i}")
             assert home_of(rs, f"r{i}") == 1
             await drain(q, [f"r{i}"])
         fakes[1].dead = True
@@ -185,3 +186,29 @@ def test_shutdown_ends_every_call_still_reading(fakes):
         await wait_for(lambda: idle(home))  # the cancelled channel aborted it on the replica
         assert all(r.inflight == 0 for r in rs._replicas)
     asyncio.run(main())
+
+
+def test_a_replica_silent_past_the_admission_timeout_is_routed_around(fakes):
+    async def main():
+        rs = ReplicaSet(fakes, Router(2, RoutingConfig(block_size=16)), poll_s=0.05, death_errors=(ActorDied,),
+                        admit_timeout_s=0.3)
+        fakes[0].stalled = True
+        rs._replicas[1].inflight += 5  # the router picks replica 0 first
+        q = await rs.submit([req("t0", max_tokens=200)], "t:alice")
+        rs._replicas[1].inflight -= 5
+        assert home_of(rs, "t0") == 1 and not rs._replicas[0].up
+        await drain(q, ["t0"])
+        assert all(r.inflight == 0 for r in rs._replicas)
+    asyncio.run(main())
+
+
+def test_shutdown_is_bounded_when_the_teardown_hangs():
+    import threading
+
+    release = threading.Event()
+    rs = ReplicaSet([object()], Router(1), on_shutdown=release.wait, death_errors=(ActorDied,))
+    t0 = time.monotonic()
+    assert rs.shutdown(timeout=0.2) is False  # the caller exits without Ray instead of waiting on it
+    assert time.monotonic() - t0 < 2
+    release.set()
+    assert ReplicaSet([object()], Router(1), on_shutdown=lambda: None, death_errors=(ActorDied,)).shutdown() is True
