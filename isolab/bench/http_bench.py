@@ -8,6 +8,10 @@ latencies (gaps between text chunks), end-to-end time, output tokens (the server
 sends one with stream_options.include_usage, else the number of text chunks). In aggregate: output
 tokens per second over the wall time of the whole run, and p50/p90/p99 of each latency.
 Does not start servers and does not know the workload's origin.
+
+The client is aiohttp (its HTTP parser is C): on a 2-core machine the clients share the cores with
+the server, and every millisecond they spend parsing is taken from the engine. httpx's streaming
+cost about 290 us of CPU a chunk here, aiohttp's about XX us (`bench/results/http_client_cost.json`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
+
+from isolab.errors import IsolabError
 
 
 @dataclass
@@ -55,21 +61,21 @@ def _base(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-async def _one(client: httpx.AsyncClient, base: str, headers: dict[str, str], body: dict[str, Any]) -> RequestResult:
+async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str], body: dict[str, Any]) -> RequestResult:
     res = RequestResult(ok=False)
     start = time.perf_counter()
     last: float | None = None
     try:
-        async with client.stream("POST", base + "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {r.status_code}: {text[:200]}"
+        async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
+            if r.status != 200:
+                text = (await r.read()).decode("utf-8", "replace")
+                res.error = f"HTTP {r.status}: {text[:200]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in r.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if obj.get("error"):
@@ -88,11 +94,25 @@ async def _one(client: httpx.AsyncClient, base: str, headers: dict[str, str], bo
                         last = now
                         res.num_chunks += 1
         res.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         res.e2e_s = time.perf_counter() - start
     return res
+
+
+async def _served_model(session: aiohttp.ClientSession, base: str, headers: dict[str, str]) -> str:
+    """The first model the server lists; IsolabError (one sentence) when it cannot say."""
+    try:
+        async with session.get(base + "/v1/models", headers=headers) as r:
+            if r.status != 200:
+                text = (await r.read()).decode("utf-8", "replace")
+                raise IsolabError(f"{base}/v1/models answered HTTP {r.status}: {text[:200]}")
+            return str((await r.json(content_type=None))["data"][0]["id"])
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise IsolabError(f"cannot reach {base} ({type(exc).__name__}: {exc})") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise IsolabError(f"{base}/v1/models did not list a model; pass --served-model") from None
 
 
 async def _run(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
@@ -100,12 +120,10 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[s
                extra_body: dict[str, Any] | None) -> dict[str, Any]:
     base = _base(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), connector=connector) as client:
         if model is None:
-            r = await client.get(base + "/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            model = await _served_model(client, base, headers)
         gate = asyncio.Semaphore(concurrency)
 
         async def gated(prompt: str, n: int) -> RequestResult:

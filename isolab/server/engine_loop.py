@@ -23,6 +23,7 @@ from typing import Any, TypeVarTuple
 from prometheus_client import CollectorRegistry
 
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
+from isolab.engine.omp_pool import release_thread_pool
 from isolab.errors import IsolabError, RequestAborted
 from isolab.sampling_params import SamplingParams
 
@@ -102,6 +103,9 @@ class EngineLoop(AdmissionBound):
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread.ident is None:  # once: a second call (the app's lifespan) is a no-op
+            # The engine was built on this thread, which holds an OpenMP pool from the model load and
+            # the start-up check; two pools on the cores make every kernel barrier sleep (omp_pool).
+            release_thread_pool()
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from isolab.bench.http_bench import percentiles, run_http_bench
+from isolab.cli import main
+from isolab.errors import IsolabError
 from isolab.server import TenantRegistry
 from isolab.server.settings import model_slug
 
@@ -25,3 +27,14 @@ def test_run_http_bench_counts_every_token(server_factory, tiny_bundle):
     assert r["ttft_s"]["p50"] is not None and r["e2e_s"]["p99"] >= r["ttft_s"]["p99"]
     bad = run_http_bench(srv.url, "sk-wrong", r["model"], prompts[:2], [4, 4], 2)
     assert bad["completed"] == 0 and bad["failed"] == 2 and "HTTP 401" in bad["errors"][0]
+
+
+def test_an_unreachable_or_unlisted_server_is_one_sentence(server_factory, tiny_bundle, capsys):
+    with pytest.raises(IsolabError, match="cannot reach http://127.0.0.1:9"):
+        run_http_bench("http://127.0.0.1:9/v1", None, None, ["p"], [4], 1)
+    srv = server_factory(tiny_bundle, tenants=TenantRegistry({"sk-b": "bench"}))
+    with pytest.raises(IsolabError, match="answered HTTP 401"):
+        run_http_bench(srv.url, "sk-wrong", None, ["p"], [4], 1)
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--num-requests", "1", "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("isolab: error: cannot reach") and "Traceback" not in err

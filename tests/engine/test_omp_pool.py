@@ -1,0 +1,77 @@
+"""The OpenMP pool rule (engine/omp_pool.py): an engine that steps on its own thread runs with no
+other thread's pool alive, because libgomp stops spinning at barriers once it manages more threads
+than there are CPUs. The cost shows in `bench/engine_thread.py`; these tests hold the mechanism."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
+from isolab.engine import omp_pool
+from isolab.engine.llm_engine import LLMEngine
+from isolab.server import engine_loop
+from isolab.server.engine_loop import EngineLoop
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settle(pred, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_release_frees_the_calling_threads_workers_and_a_later_region_makes_new_ones():
+    if torch.get_num_threads() < 2:
+        pytest.skip("one OpenMP thread: no workers to free")
+    seen: dict[str, int | bool] = {}
+
+    def run() -> None:
+        x = torch.randn(1 << 21)
+        x.exp_()  # a parallel region on this thread: a pool of get_num_threads() - 1 workers
+        seen["with_pool"] = _threads()
+        seen["released"] = omp_pool.release_thread_pool()
+        seen["freed"] = _settle(lambda: _threads() <= seen["with_pool"] - (torch.get_num_threads() - 1))
+        x.exp_()
+        seen["again"] = _threads()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen["released"] is True and seen["freed"] is True, seen
+    assert seen["again"] >= int(seen["with_pool"]) - 1  # the next region made its pool again
+
+
+def test_engine_loop_releases_the_builders_pool_before_its_thread_runs(tiny_bundle, monkeypatch):
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(16, 16 * MiB, True), scheduler=SchedulerConfig(8, 256),
+                                    device="cpu"), bundle=tiny_bundle)
+    calls: list[tuple[int, bool]] = []
+    loop = EngineLoop(engine)
+    real = omp_pool.release_thread_pool
+
+    def spy() -> bool:
+        calls.append((threading.get_ident(), loop._thread.ident is None))
+        return real()
+
+    monkeypatch.setattr(engine_loop, "release_thread_pool", spy)
+    loop.start()
+    loop.start()  # the lifespan's second call changes nothing
+    try:
+        assert calls == [(threading.get_ident(), True)]  # on the builder's thread, before the engine's ran
+    finally:
+        loop.stop()
+
+
+def test_release_without_a_pause_api_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(omp_pool, "_pause_fn", lambda: None)
+    assert omp_pool.release_thread_pool() is False
