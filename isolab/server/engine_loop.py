@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVarTuple
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
-from isolab.engine.omp_pool import release_thread_pool
+from isolab.engine.omp_pool import adopt_thread_count, release_thread_pool, team_size
 from isolab.errors import IsolabError, RequestAborted
 from isolab.sampling_params import SamplingParams
 
@@ -99,6 +100,8 @@ class EngineLoop(AdmissionBound):
         self._thread = threading.Thread(target=self._run, name="isolab-engine", daemon=True)
         self.stats: dict[str, float] = dict(engine.stats())
         self.num_pending_commands = 0
+        self._threads = 1
+        self.team_size = 0  # the engine thread's OpenMP team size, once it runs (omp_pool)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +109,7 @@ class EngineLoop(AdmissionBound):
             # The engine was built on this thread, which holds an OpenMP pool from the model load and
             # the start-up check; two pools on the cores make every kernel barrier sleep (omp_pool).
             release_thread_pool()
+            self._threads = torch.get_num_threads()  # the count the builder gave torch (a replica's --replica-threads)
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -159,6 +163,8 @@ class EngineLoop(AdmissionBound):
 
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
+        adopt_thread_count(self._threads)  # a new thread's teams start at the CPU count (omp_pool)
+        self.team_size = team_size()
         engine = self.engine
         while True:
             with self._cv:

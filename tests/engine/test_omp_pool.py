@@ -73,5 +73,25 @@ def test_engine_loop_releases_the_builders_pool_before_its_thread_runs(tiny_bund
 
 
 def test_release_without_a_pause_api_is_a_no_op(monkeypatch):
-    monkeypatch.setattr(omp_pool, "_pause_fn", lambda: None)
+    monkeypatch.setattr(omp_pool, "_runtime", lambda: None)
     assert omp_pool.release_thread_pool() is False
+
+
+def test_the_engine_thread_takes_the_builders_thread_count(tiny_bundle):
+    """A new thread's OpenMP teams start at the CPU count; a replica given 1 thread must not use 2."""
+    if os.cpu_count() == 1:
+        pytest.skip("one CPU: every count is 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(EngineConfig(cache=CacheConfig(16, 16 * MiB, True), scheduler=SchedulerConfig(8, 256),
+                                        device="cpu"), bundle=tiny_bundle)
+        loop = EngineLoop(engine)
+        loop.start()
+        try:
+            assert _settle(lambda: loop.team_size != 0)
+            assert loop.team_size == 1
+        finally:
+            loop.stop()
+    finally:
+        torch.set_num_threads(before)

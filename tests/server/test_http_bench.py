@@ -25,6 +25,7 @@ def test_run_http_bench_counts_every_token(server_factory, tiny_bundle):
     assert r["output_tokens"] == 39 and r["tokens_counted_from"] == "usage"
     assert r["model"] == model_slug(srv.engine.bundle.path.stem) and r["output_tokens_per_s"] > 0
     assert r["ttft_s"]["p50"] is not None and r["e2e_s"]["p99"] >= r["ttft_s"]["p99"]
+    assert r["client_cpu_s"] > 0 and r["client_cpu_us_per_chunk"] > 0
     bad = run_http_bench(srv.url, "sk-wrong", r["model"], prompts[:2], [4, 4], 2)
     assert bad["completed"] == 0 and bad["failed"] == 2 and "HTTP 401" in bad["errors"][0]
 
