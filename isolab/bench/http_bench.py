@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import aiohttp.http_exceptions
 
 from isolab.errors import IsolabError
 
@@ -96,7 +97,7 @@ async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str
                         last = now
                         res.num_chunks += 1
         res.ok = True
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         res.e2e_s = time.perf_counter() - start
@@ -123,7 +124,10 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[s
     base = _base(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), connector=connector) as client:
+    # timeout_s bounds a connect and each wait for data, not a whole stream (as httpx's did); lines
+    # (one SSE event each) up to 2 x read_bufsize = 8 MiB, room for any logprobs a request asks for
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 22) as client:
         if model is None:
             model = await _served_model(client, base, headers)
         gate = asyncio.Semaphore(concurrency)
