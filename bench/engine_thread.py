@@ -1,14 +1,16 @@
 """What an engine loses when it steps on another thread than the one that built it, and what
 releasing the builder's OpenMP pool gives back (isolab/engine/omp_pool.py).
 
-Three ways to drive the same engine bench (2*C requests, prompts of 64-256 words, 128 new tokens,
-greedy), each in a fresh process, in turn, for --rounds rounds:
-  main      the thread that built the engine steps it (`isolab bench`, `LLM.generate`);
-  thread    a second thread steps it and the builder's pool stays (what `isolab serve` did);
-  released  a second thread steps it after release_thread_pool() on the builder (`EngineLoop.start`).
-Per run: output tok/s, ITL p50 and the machine's idle share over the run (/proc/stat).
+One process, one engine, one fixed job (32 prompts of 64-128 words, 48 new tokens each, greedy),
+run in turn, round after round, three ways (alternating in one process cancels the machine's
+drift, which moves separate runs by about 10 % here):
+  main      on the thread that built the engine (`isolab bench`, `LLM.generate`);
+  kept      on a second thread while the main thread's pool is alive (`isolab serve` before);
+  released  on a second thread with no other pool alive (`EngineLoop.start` now).
+Each run ends by releasing its own thread's pool, so it leaves the next as it found things.
+Per mode: seconds per job (median), output tok/s, and the machine's idle share (/proc/stat).
 
-    .venv/bin/python bench/engine_thread.py [--concurrency 32] [--rounds 2]
+    .venv/bin/python bench/engine_thread.py [--rounds 6]
 
 Writes bench/results/engine_thread.json. Run it alone (2 cores).
 """
@@ -18,76 +20,101 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-MODES = ("main", "thread", "released")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("main", "kept", "released")
 
 
 def _cpu() -> list[int]:
     return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
 
 
-def child(mode: str, concurrency: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from isolab.bench.engine_bench import run_engine_bench
-    from isolab.bench.workload import WorkloadSpec, make_workload
-    from isolab.engine.omp_pool import release_thread_pool
-    from isolab.llm import LLM
+class Worker:
+    """A second thread that runs a job when asked (a server's engine thread, in miniature)."""
 
-    llm = LLM()  # built on this (the main) thread: the load and the start-up check leave it a pool
-    wl = make_workload(WorkloadSpec(2 * concurrency, (64, 256), (128, 128), 0, 0.0, 0))
-    out: dict = {"mode": mode}
+    def __init__(self, threads: int) -> None:
+        self._go, self._done = threading.Event(), threading.Event()
+        self._job: Callable[[], dict] | None = None
+        self.result: dict = {}
+        self._threads = threads
+        threading.Thread(target=self._loop, daemon=True).start()
 
-    def run() -> None:
-        a = _cpu()
-        r = run_engine_bench(llm.engine, wl, concurrency)
-        d = [y - x for x, y in zip(a, _cpu(), strict=True)]
-        out.update(tok_s=round(r["output_tokens_per_s"], 1), itl_p50_ms=round(r["itl_s"]["p50"] * 1e3, 1),
-                   idle_pct=round(100 * d[3] / sum(d), 1))
+    def _loop(self) -> None:
+        from isolab.engine.omp_pool import adopt_thread_count
 
-    if mode == "main":
-        run()
-    else:
-        if mode == "released":
-            release_thread_pool()
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-    return out
+        adopt_thread_count(self._threads)
+        while True:
+            self._go.wait()
+            self._go.clear()
+            assert self._job is not None
+            self.result = self._job()
+            self._done.set()
 
-
-def summary(runs: list[dict]) -> dict:
-    """Medians per mode: tok/s moves by about 10 % from run to run here; the idle share does not."""
-    return {key: {m: statistics.median(r[field] for r in runs if r["mode"] == m) for m in MODES}
-            for key, field in (("median_tok_s", "tok_s"), ("median_itl_p50_ms", "itl_p50_ms"),
-                               ("median_idle_pct", "idle_pct"))}
+    def run(self, job: Callable[[], dict]) -> dict:
+        self._job = job
+        self._done.clear()
+        self._go.set()
+        self._done.wait()
+        return self.result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", default="bench/results/engine_thread.json")
-    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.concurrency)))
-        return 0
+    import torch
+
+    from isolab.bench.workload import WorkloadSpec, make_workload
+    from isolab.engine.omp_pool import release_thread_pool
+    from isolab.llm import LLM
+    from isolab.sampling_params import SamplingParams
+
+    llm = LLM()
+    wl = make_workload(WorkloadSpec(32, (64, 128), (48, 48), 0, 0.0, 0))
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    tokens = 32 * 48
+
+    def job() -> dict:
+        a, t = _cpu(), time.perf_counter()
+        llm.generate(wl.prompts, sp)
+        s = time.perf_counter() - t
+        d = [y - x for x, y in zip(a, _cpu(), strict=True)]
+        release_thread_pool()  # leave no pool behind: the next mode sets up its own case
+        return {"s": s, "tok_s": tokens / s, "idle_pct": 100 * d[3] / sum(d)}
+
+    worker = Worker(torch.get_num_threads())
+
+    def kept() -> dict:
+        torch.randn(1 << 21).exp_()  # a parallel region on the main thread: its pool is alive again
+        r = worker.run(job)
+        release_thread_pool()  # and gone before the next mode
+        return r
+
+    run = {"main": job, "kept": kept, "released": lambda: worker.run(job)}
+    job(), worker.run(job)  # warm both threads
     runs = []
     for rnd in range(args.rounds):
         for mode in MODES:
-            res = subprocess.run([sys.executable, __file__, "--child", mode, "--concurrency", str(args.concurrency)],
-                                 capture_output=True, text=True, check=True)
-            r = json.loads(res.stdout.strip().splitlines()[-1]) | {"round": rnd}
+            r = run[mode]() | {"mode": mode, "round": rnd}
             runs.append(r)
-            print(f"round {rnd}  {mode:9s} {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:5.1f} ms  "
-                  f"idle {r['idle_pct']:4.1f} %", flush=True)
-    out = {"concurrency": args.concurrency, "runs": runs} | summary(runs)
-    print("median: " + "  ".join(f"{m} {v:.1f} tok/s" for m, v in out["median_tok_s"].items())
-          + "  |  idle: " + "  ".join(f"{m} {v:.1f} %" for m, v in out["median_idle_pct"].items()))
+            print(f"round {rnd}  {mode:9s} {r['s']:6.3f} s  {r['tok_s']:6.1f} tok/s  idle {r['idle_pct']:4.1f} %",
+                  flush=True)
+    med = {m: {k: statistics.median(r[k] for r in runs if r["mode"] == m) for k in ("s", "tok_s", "idle_pct")}
+           for m in MODES}
+    out = {"job": {"prompts": 32, "prompt_words": [64, 128], "new_tokens": 48}, "threads": torch.get_num_threads(),
+           "runs": runs, "median": med,
+           "kept_over_main": med["main"]["s"] / med["kept"]["s"],
+           "released_over_main": med["main"]["s"] / med["released"]["s"]}
+    print("median tok/s: " + "  ".join(f"{m} {v['tok_s']:.1f}" for m, v in med.items())
+          + f"  |  kept/main {out['kept_over_main']:.3f}  released/main {out['released_over_main']:.3f}"
+          + "  |  idle: " + "  ".join(f"{m} {v['idle_pct']:.1f} %" for m, v in med.items()))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -81,6 +81,9 @@ async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str
                 if data == b"[DONE]":
                     break
                 obj = json.loads(data)
+                if not isinstance(obj, dict):
+                    res.error = f"an event that is not a JSON object: {data[:100]!r}"
+                    return res
                 if obj.get("error"):
                     res.error = str(obj["error"])[:200]
                     return res

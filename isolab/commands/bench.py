@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                                                            "platform": platform.platform()}}
     if args.url:
         from isolab.bench.http_bench import run_http_bench
-        from isolab.errors import InvalidRequestError
+        from isolab.errors import InvalidRequestError, IsolabError
 
         try:
             extra = json.loads(args.extra_body) if args.extra_body else None
@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--extra-body is not JSON ({exc})", field="extra_body") from None
         result["server"] = run_http_bench(args.url, args.api_key, args.served_model, wl.prompts, wl.max_tokens,
                                           args.concurrency, ignore_eos=not args.no_ignore_eos, extra_body=extra)
+        if result["server"]["completed"] == 0:
+            raise IsolabError(f"no request completed against {args.url}: {(result['server']['errors'] or ['?'])[0]}")
         rows = [("server", result["server"])]
     else:
         from isolab.bench.engine_bench import run_engine_bench

@@ -102,12 +102,19 @@ class EngineLoop(AdmissionBound):
         self.num_pending_commands = 0
         self._threads = 1
         self.team_size = 0  # the engine thread's OpenMP team size, once it runs (omp_pool)
+        self._builder = threading.get_ident()  # the thread that built the engine holds its OpenMP pool
+        self._start_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread.ident is None:  # once: a second call (the app's lifespan) is a no-op
+        with self._start_lock:
+            if self._thread.ident is not None:  # once: a second call (the app's lifespan) is a no-op
+                return
             # The engine was built on this thread, which holds an OpenMP pool from the model load and
             # the start-up check; two pools on the cores make every kernel barrier sleep (omp_pool).
+            if threading.get_ident() != self._builder:
+                log.info("engine loop started on another thread than the one that made it: its OpenMP pool "
+                         "stays (engine/omp_pool.py); start it where the engine was built")
             release_thread_pool()
             self._threads = torch.get_num_threads()  # the count the builder gave torch (a replica's --replica-threads)
             self._thread.start()
@@ -163,8 +170,11 @@ class EngineLoop(AdmissionBound):
 
     # -- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
-        adopt_thread_count(self._threads)  # a new thread's teams start at the CPU count (omp_pool)
-        self.team_size = team_size()
+        try:  # a new thread's teams start at the CPU count (omp_pool); serving matters more than this
+            adopt_thread_count(self._threads)
+            self.team_size = team_size()
+        except Exception:
+            log.exception("could not set the engine thread's OpenMP thread count")
         engine = self.engine
         while True:
             with self._cv:
