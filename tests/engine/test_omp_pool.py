@@ -18,8 +18,8 @@ from isolab.server import engine_loop
 from isolab.server.engine_loop import EngineLoop
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _tids() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 def _settle(pred, timeout: float = 5.0) -> bool:
@@ -32,24 +32,29 @@ def _settle(pred, timeout: float = 5.0) -> bool:
 
 
 def test_release_frees_the_calling_threads_workers_and_a_later_region_makes_new_ones():
+    """By thread ids, so threads that other tests leave behind or end meanwhile change nothing."""
     if torch.get_num_threads() < 2:
         pytest.skip("one OpenMP thread: no workers to free")
-    seen: dict[str, int | bool] = {}
+    seen: dict[str, object] = {}
 
     def run() -> None:
         x = torch.randn(1 << 21)
+        before = _tids()
         x.exp_()  # a parallel region on this thread: a pool of get_num_threads() - 1 workers
-        seen["with_pool"] = _threads()
+        workers = _tids() - before
+        seen["workers"] = len(workers)
         seen["released"] = omp_pool.release_thread_pool()
-        seen["freed"] = _settle(lambda: _threads() <= seen["with_pool"] - (torch.get_num_threads() - 1))
+        seen["freed"] = _settle(lambda: not (workers & _tids()))
+        before = _tids()
         x.exp_()
-        seen["again"] = _threads()
+        seen["made_again"] = len(_tids() - before)
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
+    assert seen["workers"] >= torch.get_num_threads() - 1, seen
     assert seen["released"] is True and seen["freed"] is True, seen
-    assert seen["again"] >= int(seen["with_pool"])  # the next region made its pool again
+    assert seen["made_again"] >= torch.get_num_threads() - 1, seen  # the next region made its pool again
 
 
 def test_engine_loop_releases_the_builders_pool_before_its_thread_runs(tiny_bundle, monkeypatch):
