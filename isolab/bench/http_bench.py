@@ -12,8 +12,8 @@ Does not start servers and does not know the workload's origin.
 The client is aiohttp (its HTTP parser is C): on a 2-core machine the clients share the cores with
 the server, and every millisecond they spend parsing is taken from the engine. The result says
 what the clients cost (`client_cpu_s`, `client_cpu_us_per_chunk`: this process's CPU time over the
-run): about 51 us a chunk with aiohttp against 128 us with httpx's streaming, measured here with
-32 clients against `isolab serve`.
+run): 39-51 us a chunk with aiohttp in bench/results/issue14_http*_s26_r*.json; the httpx client
+it replaced took 125-129 us, measured once the same way (docs/engine.md).
 """
 
 from __future__ import annotations

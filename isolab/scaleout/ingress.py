@@ -20,7 +20,7 @@ from isolab.scaleout.replica_set import ReplicaSet
 from isolab.scaleout.wire import ReplicaFacts
 from isolab.server.app import create_app_over
 from isolab.server.backend import ModelFacts
-from isolab.server.settings import ServerConfig, model_slug
+from isolab.server.settings import ServerConfig, default_model_names
 from isolab.server.tenants import TenantRegistry
 
 
@@ -39,7 +39,7 @@ def create_replicated_app(config: EngineConfig, plan: ScaleOut, tenants: TenantR
 
 def model_facts(facts: ReplicaFacts, num_engines: int) -> ModelFacts:
     tokenizer = Tokenizer(Path(facts.path), facts.fingerprint, family_template(facts.arch))
-    names = tuple(dict.fromkeys((model_slug(Path(facts.path).stem), facts.name)))
+    names = default_model_names(Path(facts.path), facts.name)
     return ModelFacts(tokenizer=tokenizer, default_names=names, max_model_len=facts.max_model_len,
                       max_num_seqs=facts.max_num_seqs, num_engines=num_engines,
                       grammars=GrammarCompiler(tokenizer, facts.vocab_size, facts.fingerprint),

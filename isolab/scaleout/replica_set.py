@@ -170,10 +170,7 @@ class ReplicaSet(AdmissionBound):
             try:
                 channel = await self._channel(replica)
             except Exception as exc:
-                if not isinstance(exc, (TimeoutError, *self.death_errors)):
-                    raise self._failed_call(replica, exc) from None
-                self._mark_down(replica, exc)
-                tried.add(replica.index)
+                self._try_another(replica, exc, tried)
                 continue
             for rid in ids:  # routes first: outputs may arrive on the channel before add() returns
                 channel.routes[rid] = queue
@@ -188,10 +185,7 @@ class ReplicaSet(AdmissionBound):
                     response.cancel()
                 if isinstance(exc, asyncio.CancelledError):
                     raise
-                if not isinstance(exc, (TimeoutError, *self.death_errors)):
-                    raise self._failed_call(replica, exc) from None
-                self._mark_down(replica, exc)
-                tried.add(replica.index)
+                self._try_another(replica, exc, tried)
                 continue
             if isinstance(answer, Refused):
                 self._unroute(replica, channel, ids)
@@ -274,6 +268,14 @@ class ReplicaSet(AdmissionBound):
         for rid, queue in sorted(channel.routes.items()):
             queue.put_nowait(RequestOutput(rid, (), (), (), True, reason, None, 0, 0, error))
         self._unroute(replica, channel, list(channel.routes))
+
+    def _try_another(self, replica: _Replica, exc: BaseException, tried: set[int]) -> None:
+        """Before admission: a replica that died, stayed silent or is stopping is marked down and left
+        out of this call's next route; any other error fails the call (raised here)."""
+        if not isinstance(exc, (TimeoutError, *self.death_errors)):
+            raise self._failed_call(replica, exc) from None
+        self._mark_down(replica, exc)
+        tried.add(replica.index)
 
     def _failed_call(self, replica: _Replica, exc: BaseException) -> EngineUnavailable:
         """An error that is no death (a bug, a Ray failure): the call fails, the replica stays up."""

@@ -32,7 +32,7 @@ from isolab.server.protocol import (
     ModelList,
 )
 from isolab.server.serving import Serving
-from isolab.server.settings import ServerConfig, model_slug
+from isolab.server.settings import ServerConfig, default_model_names
 from isolab.server.state import ServerState, server_state
 from isolab.server.tenants import Tenant, TenantRegistry
 from isolab.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest
@@ -50,7 +50,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig | None = None) -> FastAPI:
     """The app over one in-process engine; its thread starts with the app's lifespan and stops
     (aborting) with it."""
-    names = tuple(dict.fromkeys((model_slug(engine.bundle.path.stem), engine.bundle.name)))
+    names = default_model_names(engine.bundle.path, engine.bundle.name)
     facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_model_len,
                        max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
                        grammars=engine.grammars,  # built here, before the engine thread starts

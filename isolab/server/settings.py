@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from isolab.errors import InvalidRequestError
 
@@ -48,6 +49,11 @@ class ServerConfig:
                                       field="served_model_names")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InvalidRequestError(f"max_queue must be an integer >= 0, not {self.max_queue!r}", field="max_queue")
+
+
+def default_model_names(path: Path, name: str) -> tuple[str, ...]:
+    """The ids a model is served under without --served-model-name: the file's slug, then general.name."""
+    return tuple(dict.fromkeys((model_slug(path.stem), name)))
 
 
 def model_slug(text: str) -> str:

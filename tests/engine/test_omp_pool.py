@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
-from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.engine import omp_pool
-from isolab.engine.llm_engine import LLMEngine
 from isolab.server import engine_loop
 from isolab.server.engine_loop import EngineLoop
+from isolab.testing.workload import make_engine
 
 
 def _tids() -> set[str]:
@@ -58,8 +57,7 @@ def test_release_frees_the_calling_threads_workers_and_a_later_region_makes_new_
 
 
 def test_engine_loop_releases_the_builders_pool_before_its_thread_runs(tiny_bundle, monkeypatch):
-    engine = LLMEngine(EngineConfig(cache=CacheConfig(16, 16 * MiB, True), scheduler=SchedulerConfig(8, 256),
-                                    device="cpu"), bundle=tiny_bundle)
+    engine = make_engine(tiny_bundle, 64)
     calls: list[tuple[int, bool]] = []
     loop = EngineLoop(engine)
     real = omp_pool.release_thread_pool
@@ -89,8 +87,7 @@ def test_the_engine_thread_takes_the_builders_thread_count(tiny_bundle):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = LLMEngine(EngineConfig(cache=CacheConfig(16, 16 * MiB, True), scheduler=SchedulerConfig(8, 256),
-                                        device="cpu"), bundle=tiny_bundle)
+        engine = make_engine(tiny_bundle, 64)
         loop = EngineLoop(engine)
         loop.start()
         try:

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from isolab.config import CacheConfig, EngineConfig, MiB, SchedulerConfig
 from isolab.errors import EngineUnavailable, PromptTooLongError
@@ -22,10 +23,12 @@ from tests.scaleout.fake_ray import ActorDied, FakeReplica
 def fakes(tiny_path, tiny_bundle):
     config = EngineConfig(model=str(tiny_path), device="cpu", cache=CacheConfig(16, 8 * MiB, True),
                           scheduler=SchedulerConfig(8, 256))
-    reps = [FakeReplica(config, i) for i in range(2)]
+    threads = torch.get_num_threads()
+    reps = [FakeReplica(config, i) for i in range(2)]  # each sets torch's threads to 1, as a real replica does
     yield reps
     for r in reps:
         r.replica.loop.stop()
+    torch.set_num_threads(threads)  # in-process fakes: leave the process's count as it was
 
 
 def make_set(fakes) -> ReplicaSet:
