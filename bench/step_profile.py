@@ -5,6 +5,9 @@ then `--steps` decode steps of N rows are profiled (isolab/bench/profile.py: sch
 preparation, each GEMM, attention, row ops, sampling, update, other), and the same N rows'
 output detokenized as the server would (Detokenizer.push per token, timed apart).
 The GEMM-bound rate is N / (GEMM ms per step): what the step would give if GEMMs were all.
+The timers run the model layer by layer (the one-call native forward cannot be timed inside), so
+each timed step is followed by an untimed one, as the engine runs it: `plain_decode_tok_per_s`
+and its share of the GEMM-bound rate are what a user gets.
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
 
@@ -37,23 +40,34 @@ def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps:
     wl = make_workload(WorkloadSpec(num_requests=n, prompt_len=prompt_words, output_len=(128, 128), seed=n))
     detoks = {}
     for i, p in enumerate(wl.prompts):
-        engine.add_request(f"r{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=steps + 64, temperature=0,
+        engine.add_request(f"r{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=2 * steps + 64, temperature=0,
                                                                                 ignore_eos=True))
         detoks[f"r{i}"] = Detokenizer(engine.tokenizer)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill (and a few first tokens)
     for _ in range(2):
         engine.step()  # warm
-    detok_s = 0.0
-    with StepProfiler(engine) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
+    # Each timed step is followed by an untimed one, as the engine runs it (the one-call forward where
+    # the model has one; the timers run the model layer by layer to time each phase): the two
+    # figures are taken side by side, so the machine's drift moves both.
+    prof = StepProfiler(engine)
+    detok_s = wall = plain_wall = 0.0
+
+    def detokenize(outs) -> float:
+        t = time.perf_counter()
+        for o in outs:
+            detoks[o.request_id].push(o.new_token_ids)
+        return time.perf_counter() - t
+
+    for _ in range(steps):
+        with prof:
+            t0 = time.perf_counter()
             outs = engine.step()
-            t = time.perf_counter()
-            for o in outs:
-                detoks[o.request_id].push(o.new_token_ids)
-            detok_s += time.perf_counter() - t
-        wall = time.perf_counter() - t0
+        detok_s += detokenize(outs)
+        wall += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        detokenize(engine.step())
+        plain_wall += time.perf_counter() - t0
     ms = prof.report()
     engine.close()
     ms["detokenize"] = detok_s * 1e3 / steps
@@ -62,6 +76,9 @@ def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps:
         "decode_tok_per_s": n * steps / wall,
         "gemm_share": ms["gemm"] / ms["step"],
         "gemm_bound_tok_per_s": n / (ms["gemm"] / 1e3),
+        "plain_ms_per_step": plain_wall * 1e3 / steps,
+        "plain_decode_tok_per_s": n * steps / plain_wall,
+        "plain_share_of_gemm_bound": (n * steps / plain_wall) / (n / (ms["gemm"] / 1e3)),
     }
 
 
@@ -85,6 +102,8 @@ def main() -> int:
         gemms = "  ".join(f"{k[5:]} {v:.1f}" for k, v in sorted(ms.items()) if k.startswith("gemm."))
         print(f"N={n:4d}  step {ms['step']:7.1f} ms  {r['decode_tok_per_s']:7.1f} tok/s  GEMM share "
               f"{r['gemm_share']:.0%}  GEMM-bound {r['gemm_bound_tok_per_s']:7.0f} tok/s\n"
+              f"        untimed: step {r['plain_ms_per_step']:7.1f} ms  {r['plain_decode_tok_per_s']:7.1f} tok/s  "
+              f"{r['plain_share_of_gemm_bound']:.0%} of GEMM-bound\n"
               f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
     out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")
     out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "steps": args.steps, "rows": rows}, indent=2))

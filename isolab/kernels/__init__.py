@@ -142,6 +142,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_gemm_isa.argtypes = []
     lib.isolab_attention_fast_paths.restype = None
     lib.isolab_attention_fast_paths.argtypes = [i32]
+    lib.isolab_attention_prefetch.restype = None
+    lib.isolab_attention_prefetch.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
     lib.isolab_attention_bf16_dot.argtypes = []
     lib.isolab_attention_isa.restype = ctypes.c_char_p
