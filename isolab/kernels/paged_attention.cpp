@@ -223,8 +223,8 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
     }
 }
 
-// 1: attend_row_bf16 prefetches the runs of a row's blocks that do not follow the block before them
-// in the pool (default); 0: it does not (bench/attention_prefetch.py compares the two)
+// 1: attend_row_bf16 prefetches a row's K/V runs where the hardware would not (default); 0: it does
+// not (bench/attention_prefetch.py compares the two)
 static int prefetch_scattered = 1;
 extern "C" void isolab_attention_prefetch(int on) { prefetch_scattered = on; }
 
@@ -250,8 +250,9 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     // A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
     // blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
     // (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So those
-    // blocks' K runs are prefetched into L1 and their V runs into L2 before the first score: on this
-    // Zen 4/5 host, 6-11 % off the kernel at 128 rows (bench/attention_prefetch.py). No effect on bits.
+    // blocks' K runs are prefetched into L1 and their V runs into L2 before the first score, and
+    // every block's V run into L2 while its keys are scored (the P.V pass then finds it there).
+    // bench/attention_prefetch.py measures it on and off; no effect on bits.
     if (prefetch_scattered) {
         constexpr int RUN = DH * BS * 2;  // bytes of one (head, block) run
         for (int i = start / BS; i < nblk; i++) {
@@ -267,6 +268,10 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     }
     for (int i = start / BS; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        if (prefetch_scattered) {
+            const char* vb = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
+            for (int l = 0; l < DH * BS * 2; l += 64) _mm_prefetch(vb + l, _MM_HINT_T1);
+        }
         // two chains per head (even and odd dimension pairs), added at the end: a fixed order,
         // and twice the independent dot products in flight
         __m512 acc[G], acc1[G];
