@@ -1,11 +1,17 @@
-"""The paged-attention kernel with and without its prefetch of scattered blocks, alternating in one run.
+"""The paged-attention kernel at its three prefetch levels, alternating in one run.
+
+  none:   no software prefetch (the hardware's stream prefetchers only);
+  task:   within a (row, KV head) task: the K/V runs of scattered blocks up front, and each block's
+          V run while its keys are scored;
+  next:   task, and the K runs of the task the thread takes next during this task's P.V pass (the
+          default).
 
 A decode step at N rows (contexts of 100-350 keys, SmolLM2-135M's shape: 9 query heads on 3 KV
 heads of 64 dims, 30 layers, bf16), read through two kinds of block tables:
   admission: each row's prompt blocks consecutive in the pool, its last 4 blocks taken one by one,
              round-robin with the other rows (what a batch admitted together looks like);
   scattered: every block anywhere (a long-running server's free list).
-The outputs of both settings are compared bit for bit (a prefetch changes no result).
+The outputs of every level are compared bit for bit (a prefetch changes no result).
 
     .venv/bin/python bench/attention_prefetch.py [--rows 128] [--rounds 5]
 
@@ -29,6 +35,7 @@ from isolab.models.invariance import cpu_description  # noqa: E402
 
 HKV, G, DH, BS, LAYERS = 3, 3, 64, 16, 30
 DECODE_BLOCKS = 4
+LEVELS = ("none", "task", "next")  # isolab_attention_prefetch(0, 1, 2)
 
 
 def tables_for(kind: str, nblk: list[int], gen: torch.Generator) -> torch.Tensor:
@@ -62,7 +69,7 @@ def main() -> int:
     args = ap.parse_args()
     lib = kernels._library()
     if lib is None or kernels.attention_isa() != "avx512bf16":
-        print(f"the prefetch is in the AVX512-BF16 kernel; this CPU's bf16 attention path is "
+        print(f"the prefetches are in the AVX512-BF16 kernel; this CPU's bf16 attention path is "
               f"{kernels.attention_isa() if lib else 'torch'}: nothing to compare")
         return 2
     gen = torch.Generator().manual_seed(1)
@@ -79,8 +86,8 @@ def main() -> int:
     try:
         for _ in range(args.rounds):
             for kind, t in tables.items():
-                for on in (0, 1):
-                    lib.isolab_attention_prefetch(on)
+                for level, name in enumerate(LEVELS):
+                    lib.isolab_attention_prefetch(level)
                     step = []
                     for _ in range(args.reps):
                         t0 = time.perf_counter()
@@ -90,18 +97,19 @@ def main() -> int:
                     if kind in first and not torch.equal(first[kind], out):
                         raise SystemExit("the prefetch changed the output: a kernel bug")
                     first.setdefault(kind, out)
-                    times.setdefault(f"{kind}/{'prefetch' if on else 'none'}", []).append(statistics.median(step) * 1e3)
+                    times.setdefault(f"{kind}/{name}", []).append(statistics.median(step) * 1e3)
     finally:
-        lib.isolab_attention_prefetch(1)
+        lib.isolab_attention_prefetch(len(LEVELS) - 1)
     result = {"cpu": cpu_description(), "rows": args.rows, "layers": LAYERS,
               "mean_keys": float(lens.float().mean()), "mb_read_per_step": mb, "rounds": args.rounds, "cases": {}}
     for kind in tables:
-        off, on = statistics.median(times[f"{kind}/none"]), statistics.median(times[f"{kind}/prefetch"])
-        result["cases"][kind] = {"none_ms": off, "prefetch_ms": on, "ratio": on / off,
-                                 "none_gb_per_s": mb / off, "prefetch_gb_per_s": mb / on,
-                                 "rounds_none_ms": times[f"{kind}/none"], "rounds_prefetch_ms": times[f"{kind}/prefetch"]}
-        print(f"{kind:9s} tables: no prefetch {off:6.1f} ms ({mb / off:4.1f} GB/s)   prefetch {on:6.1f} ms "
-              f"({mb / on:4.1f} GB/s)   {on / off:.2f}x")
+        ms = {name: statistics.median(times[f"{kind}/{name}"]) for name in LEVELS}
+        result["cases"][kind] = {**{f"{name}_ms": v for name, v in ms.items()},
+                                 **{f"{name}_gb_per_s": mb / v for name, v in ms.items()},
+                                 **{f"{name}_vs_none": v / ms["none"] for name, v in ms.items()},
+                                 **{f"rounds_{name}_ms": times[f"{kind}/{name}"] for name in LEVELS}}
+        print(f"{kind:9s} tables: " + "   ".join(f"{name} {v:6.1f} ms ({mb / v:4.1f} GB/s, {v / ms['none']:.2f}x)"
+                                                 for name, v in ms.items()))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0

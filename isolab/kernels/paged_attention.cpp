@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <vector>
 
 #include "simd.h"
@@ -34,6 +35,16 @@ static inline long vidx(const uint16_t*, int j, int d, int Dh) { return ((long)(
 // exactly 0 and add exact zeros, so a kernel may skip them (attend_row does) without changing a bit;
 // set per task by attend_all, read by softmax_row and attend_row.
 static thread_local int window_start = 0;
+
+// The (row, KV head) task this thread takes next, when attend_all knows it: the bf16 kernel
+// prefetches that task's K runs into L2 during its own P.V pass, which reads only what is already
+// in cache, so the next task's keys arrive while this one computes. Set per task by attend_all;
+// table == nullptr: no next task. Prefetches only: no effect on any result.
+struct NextTask {
+    const int32_t* table = nullptr;
+    int first_block = 0, nblk = 0, h = 0;
+};
+static thread_local NextTask next_task;
 
 static inline float softmax_row(float* s, int L, int Lpad) {
     const int start = window_start < L ? window_start : 0;
@@ -223,10 +234,11 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
     }
 }
 
-// 1: attend_row_bf16 prefetches a row's K/V runs where the hardware would not (default); 0: it does
-// not (bench/attention_prefetch.py compares the two)
-static int prefetch_scattered = 1;
-extern "C" void isolab_attention_prefetch(int on) { prefetch_scattered = on; }
+// What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K/V runs of scattered
+// blocks up front, each block's V while its keys are scored); 2 (default) also the next task's K
+// during its P.V pass. bench/attention_prefetch.py compares the three; no setting changes a bit.
+static int prefetch_scattered = 2;
+extern "C" void isolab_attention_prefetch(int level) { prefetch_scattered = level; }
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -302,12 +314,24 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
         }
     }
     const int even = L & ~1;
+    // the next task's K lines, a few per key pair of this pass (LINES a run)
+    constexpr int LINES = DH * BS * 2 / 64;
+    const NextTask nx = prefetch_scattered >= 2 ? next_task : NextTask{};  // (a copy: no TLS reads in the loop)
+    const long nx_lines = nx.table ? (long)(nx.nblk - nx.first_block) * LINES : 0;
+    const long pairs = (even - (start & ~1)) / 2 * (DH / 64);
+    const long per_pair = pairs > 0 ? (nx_lines + pairs - 1) / pairs : 0;
+    long nx_done = 0;
     // P.V, 64 dimensions at a time (4 accumulators a head)
     for (int c = 0; c < DH / 64; c++) {
         __m512 o[G][4];
         for (int g = 0; g < G; g++)
             for (int j = 0; j < 4; j++) o[g][j] = _mm512_setzero_ps();
         for (int k = start & ~1; k < even; k += 2) {
+            for (long e = 0; e < per_pair && nx_done < nx_lines; e++, nx_done++) {
+                const long blk = nx.table[nx.first_block + nx_done / LINES];
+                _mm_prefetch((const char*)(kplane + ((long)nx.h * NB + blk) * DH * BS) + (nx_done % LINES) * 64,
+                             _MM_HINT_T1);
+            }
             const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2
                                  + c * 128;
             const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
@@ -560,6 +584,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             units.push_back(R);
             n += R;
         }
+    std::atomic<long> claimed{0};  // the next (row, KV head) task not yet taken
 #pragma omp parallel
     {
         // 1. this step's K/V into their slots (K transposed inside its block); all rows are
@@ -586,8 +611,9 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                              scale, Lpad);
         } else {
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
-#pragma omp for schedule(dynamic, 1)
-        for (long task = 0; task < (long)N * Hkv; task++) {
+        // (row, KV head) tasks, each claimed one ahead (a shared counter, as schedule(dynamic, 1)
+        // would hand them out) so the kernel knows the next one and can prefetch its keys
+        auto one = [&](long task) {
             const int n = (int)(task / Hkv), h = (int)(task % Hkv);
             const T* qr = q + n * qs + (long)h * G * Dh;
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
@@ -595,14 +621,29 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             const int L = q_pos[n] + 1;
             window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
-                continue;
+                return;
             if (fast_paths && bs == 16 && Dh == 256 && attend_fast_256<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
-                continue;
+                return;
             if (bs == 16)
                 attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
             else
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
+        };
+        const long total = (long)N * Hkv;
+        long cur = claimed.fetch_add(1, std::memory_order_relaxed);
+        while (cur < total) {
+            const long nxt = claimed.fetch_add(1, std::memory_order_relaxed);
+            next_task = NextTask{};
+            if (nxt < total) {
+                const int n = (int)(nxt / Hkv);
+                const int L = q_pos[n] + 1;
+                const int ws = window > 0 && L > window ? L - window : 0;
+                next_task = NextTask{tables + (long)row_table[n] * table_len, ws / bs, (L + bs - 1) / bs, (int)(nxt % Hkv)};
+            }
+            one(cur);
+            cur = nxt;
         }
+        next_task = NextTask{};
         std::free(sc);
         window_start = 0;
         }

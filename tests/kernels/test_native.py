@@ -199,3 +199,23 @@ def test_fused_write_equals_write_kv_then_attend(dname):
     write_kv(pool, slots, k, v)
     assert torch.equal(fused_pool, pool)
     assert torch.equal(fused, kernels.paged_attention(q.contiguous(), pool, table, rows, pos, 0.125))
+
+
+@pytest.mark.skipif(kernels.attention_isa() != "avx512bf16", reason="the prefetches are in the AVX512-BF16 kernel")
+@pytest.mark.parametrize("heads,hkv,dh", [(9, 3, 64), (8, 2, 256)])
+def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh):
+    """The kernel prefetches scattered blocks and the next task's keys (claimed one task ahead):
+    each level reads the same keys in the same order, and every (row, head) task runs once."""
+    q, kv, tables, pos = _case(torch.bfloat16, heads, hkv, dh, 16, rows=24, nb=5)
+    every = torch.arange(q.shape[0], dtype=torch.int32)
+    lib = kernels._library()
+    outs = []
+    try:
+        for level in (0, 1, 2):
+            lib.isolab_attention_prefetch(level)
+            outs.append(kernels.paged_attention(q, kv, tables, every, pos, dh**-0.5))
+    finally:
+        lib.isolab_attention_prefetch(2)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    ref = _torch_reference(q, kv, tables, pos)
+    assert (outs[2].float() - ref.float()).abs().max().item() < DTYPES["bf16"][1]
