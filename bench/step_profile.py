@@ -10,6 +10,7 @@ each timed step is followed by an untimed one, as the engine runs it: `plain_dec
 and its share of the GEMM-bound rate are what a user gets.
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
+        [--weights native] [--attention-prefetch 0,2 --rounds 3]
 
 Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
 """
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from isolab import kernels  # noqa: E402
 from isolab.bench.profile import StepProfiler  # noqa: E402
 from isolab.bench.workload import WorkloadSpec, make_workload  # noqa: E402
 from isolab.config import MiB, build_engine_config  # noqa: E402
@@ -89,22 +91,41 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--weights", default="auto", choices=("auto", "native", "dense"))
     ap.add_argument("--prompt-len", default="64:256", help="prompt words LO:HI")
+    ap.add_argument("--attention-prefetch", default="2",
+                    help="the attention kernel's prefetch levels to run, alternating (0 none, 1 within a task, 2 also "
+                         "the next task: the default; bench/attention_prefetch.py)")
+    ap.add_argument("--rounds", type=int, default=1, help="with several levels: how many times to alternate them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
     bundle = load_bundle(None, args.dtype, weights=args.weights)
+    levels = [int(x) for x in args.attention_prefetch.split(",")]
+    lib = kernels._library()
+    if levels != [2] and (lib is None or kernels.attention_isa() != "avx512bf16"):
+        print("--attention-prefetch: the prefetches are in the AVX512-BF16 attention kernel, which this CPU does not run")
+        return 2
     rows = []
-    for n in (int(x) for x in args.concurrency.split(",")):
-        r = profile_at(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.steps)
-        rows.append(r)
-        ms = r["ms_per_step"]
-        parts = "  ".join(f"{p} {ms.get(p, 0.0):6.1f}" for p in PHASES)
-        gemms = "  ".join(f"{k[5:]} {v:.1f}" for k, v in sorted(ms.items()) if k.startswith("gemm."))
-        print(f"N={n:4d}  step {ms['step']:7.1f} ms  {r['decode_tok_per_s']:7.1f} tok/s  GEMM share "
-              f"{r['gemm_share']:.0%}  GEMM-bound {r['gemm_bound_tok_per_s']:7.0f} tok/s\n"
-              f"        untimed: step {r['plain_ms_per_step']:7.1f} ms  {r['plain_decode_tok_per_s']:7.1f} tok/s  "
-              f"{r['plain_share_of_gemm_bound']:.0%} of GEMM-bound\n"
-              f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
+    try:
+        for n in (int(x) for x in args.concurrency.split(",")):
+            for _ in range(args.rounds if len(levels) > 1 else 1):
+                for level in levels:
+                    if lib is not None and kernels.attention_isa() == "avx512bf16":
+                        lib.isolab_attention_prefetch(level)
+                    r = profile_at(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.steps)
+                    r["attention_prefetch"] = level
+                    rows.append(r)
+                    ms = r["ms_per_step"]
+                    parts = "  ".join(f"{p} {ms.get(p, 0.0):6.1f}" for p in PHASES)
+                    gemms = "  ".join(f"{k[5:]} {v:.1f}" for k, v in sorted(ms.items()) if k.startswith("gemm."))
+                    tag = f"  prefetch {level}" if len(levels) > 1 else ""
+                    print(f"N={n:4d}{tag}  step {ms['step']:7.1f} ms  {r['decode_tok_per_s']:7.1f} tok/s  GEMM share "
+                          f"{r['gemm_share']:.0%}  GEMM-bound {r['gemm_bound_tok_per_s']:7.0f} tok/s\n"
+                          f"        untimed: step {r['plain_ms_per_step']:7.1f} ms  {r['plain_decode_tok_per_s']:7.1f} tok/s  "
+                          f"{r['plain_share_of_gemm_bound']:.0%} of GEMM-bound\n"
+                          f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
+    finally:
+        if lib is not None and kernels.attention_isa() == "avx512bf16":
+            lib.isolab_attention_prefetch(2)
     out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")
     out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "steps": args.steps, "rows": rows}, indent=2))
     print(f"wrote {out}")

@@ -145,7 +145,7 @@ class ModelRunner:
         sampling = [ch.request for ch in out.chunks if ch.samples]
         if inputs.last_rows is None:
             return ModelRunnerOutput((), prompt_lps)
-        logits = self.model.logits(hidden[inputs.last_rows])  # (M, V) float32, one row per sampling chunk
+        logits = self.model.logits_raw(hidden[inputs.last_rows])  # (M, V) one row per sampling chunk
         drawn = sample(logits, sampling, self.shared_generator, self.eos_token_id)
         return ModelRunnerOutput(tuple(
             SampledToken(req.request_id, token, lp) for req, (token, lp) in zip(sampling, drawn, strict=True)

@@ -118,9 +118,61 @@ void rope(T* qkv, const T* cos, const T* sin, const int64_t* pos, int N, int hea
     }
 }
 
+// torch.argmax of one row: the index of the first NaN if the row has one, else the first index of
+// its maximum (-0.0 and 0.0 equal, as torch compares them). Two passes: the maximum (and whether a
+// NaN is there), 16 lanes at a time; then the first index equal to it, 64 values a test.
+template <typename T>
+long argmax_row(const T* x, int V) {
+    v16f mx = v16f{} - INFINITY;
+    v16i nan = v16i{};
+    int i = 0;
+    for (; i + 16 <= V; i += 16) {
+        const v16f v = load16(x + i);
+        nan |= (v != v);
+        mx = v > mx ? v : mx;
+    }
+    float m = -INFINITY;
+    bool any_nan = false;
+    for (int l = 0; l < 16; l++) {
+        any_nan |= nan[l] != 0;
+        m = mx[l] > m ? mx[l] : m;
+    }
+    for (; i < V; i++) {
+        const float v = load(x, i);
+        any_nan |= v != v;
+        m = v > m ? v : m;
+    }
+    if (any_nan) {
+        for (int j = 0; j < V; j++)
+            if (load(x, j) != load(x, j)) return j;
+    }
+    const v16f mv = v16f{} + m;
+    for (i = 0; i + 64 <= V; i += 64) {
+        const v16i e = (load16(x + i) == mv) | (load16(x + i + 16) == mv) | (load16(x + i + 32) == mv) |
+                       (load16(x + i + 48) == mv);
+        uint64_t w[8];
+        std::memcpy(w, &e, 64);
+        if ((w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) == 0) continue;
+        for (int j = i; j < i + 64; j++)
+            if (load(x, j) == m) return j;
+    }
+    for (; i < V; i++)
+        if (load(x, i) == m) return i;
+    return 0;  // not reached: some value equals the maximum
+}
+
+// out[r] = argmax of row r of x (M rows of V values, row stride `stride` elements); each row on its own
+template <typename T>
+void argmax_rows(const T* x, long stride, int M, int V, int64_t* out) {
+#pragma omp parallel for schedule(static) if (M > 1)
+    for (int r = 0; r < M; r++) out[r] = argmax_row(x + (long)r * stride, V);
+}
+
 }  // namespace
 
 extern "C" {
+void isolab_argmax_rows_bf16(const uint16_t* x, long stride, int M, int V, int64_t* out) { argmax_rows(x, stride, M, V, out); }
+void isolab_argmax_rows_fp32(const float* x, long stride, int M, int V, int64_t* out) { argmax_rows(x, stride, M, V, out); }
 void isolab_rms_norm_gemma_bf16(const uint16_t* x, const float* w, uint16_t* out, int N, int D, float eps) { rms_norm_gemma(x, w, out, N, D, eps); }
 void isolab_rms_norm_gemma_fp32(const float* x, const float* w, float* out, int N, int D, float eps) { rms_norm_gemma(x, w, out, N, D, eps); }
 void isolab_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int N, int D, float eps) { rms_norm(x, w, out, N, D, eps); }

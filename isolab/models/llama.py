@@ -344,7 +344,12 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M, V) float32."""
-        return self.lm_head(hidden).float()
+        return self.logits_raw(hidden).float()
+
+    def logits_raw(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, D) -> (M, V) in the model's dtype: what the head computes, before any widening
+        (the sampler widens only rows that need more than an argmax; bf16 -> fp32 is exact)."""
+        return self.lm_head(hidden)
 
     @torch.inference_mode()
     def reference_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -219,3 +219,32 @@ def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     ref = _torch_reference(q, kv, tables, pos)
     assert (outs[2].float() - ref.float()).abs().max().item() < DTYPES["bf16"][1]
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_argmax_rows_gives_torch_argmax(dname):
+    """The sampler's greedy pick: the first NaN if a row has one, else the first maximum, ties and
+    signed zeros as torch decides them, whatever the row length (the 16-lane and 64-value steps
+    and their tails)."""
+    dtype, _ = DTYPES[dname]
+    g = torch.Generator().manual_seed(3)
+    for trial in range(240):
+        m, v = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g))
+        x = torch.randn(m, v, generator=g)
+        where = torch.rand(m, v, generator=g)
+        kind = trial % 6
+        if kind == 1:
+            x = (x * 2).round()  # many ties
+        elif kind == 2:
+            x[where < 0.05] = float("nan")
+        elif kind == 3:
+            x[:] = float("-inf")
+            x[where < 0.1] = -0.0
+        elif kind == 4:
+            x = torch.where(where < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+        elif kind == 5:
+            x[where < 0.2] = float("inf")
+        x = x.to(dtype)
+        assert torch.equal(kernels.argmax_rows(x), torch.argmax(x, dim=-1)), (kind, m, v)
+    wide = torch.randn(3, 49152, generator=g).to(dtype)  # a vocabulary's width, and a row view
+    assert torch.equal(kernels.argmax_rows(wide[1:]), torch.argmax(wide[1:], dim=-1))
