@@ -20,6 +20,8 @@
 #include <atomic>
 #include <vector>
 
+#include <omp.h>
+
 #include "simd.h"
 
 // offset of K element (dimension d, key j) and V element (key j, dimension d) inside a block
@@ -237,8 +239,8 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
 // What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K/V runs of scattered
 // blocks up front, each block's V while its keys are scored); 2 (default) also the next task's K
 // during its P.V pass. bench/attention_prefetch.py compares the three; no setting changes a bit.
-static int prefetch_scattered = 2;
-extern "C" void isolab_attention_prefetch(int level) { prefetch_scattered = level; }
+static std::atomic<int> prefetch_level{2};  // read once a task (relaxed): a setting, not a synchronization
+extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(level, std::memory_order_relaxed); }
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -261,28 +263,27 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     for (int g = 0; g < G; g++) std::memcpy(qp[g], q + g * DH, DH * 2);
     // A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
     // blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
-    // (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So those
-    // blocks' K runs are prefetched into L1 and their V runs into L2 before the first score, and
-    // every block's V run into L2 while its keys are scored (the P.V pass then finds it there).
-    // bench/attention_prefetch.py measures it on and off; no effect on bits.
-    if (prefetch_scattered) {
-        constexpr int RUN = DH * BS * 2;  // bytes of one (head, block) run
-        for (int i = start / BS; i < nblk; i++) {
-            if (i > start / BS && table[i] == table[i - 1] + 1) continue;
+    // (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So the K
+    // runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
+    // flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds
+    // it there). bench/attention_prefetch.py measures the levels; none changes a bit.
+    const int pf = prefetch_level.load(std::memory_order_relaxed);
+    constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
+    const int first = start / BS;
+    auto prefetch_k_if_scattered = [&](int i) {
+        if (i == first || table[i] != table[i - 1] + 1) {
             const char* kb = (const char*)(kplane + ((long)h * NB + table[i]) * DH * BS);
             for (int l = 0; l < RUN; l += 64) _mm_prefetch(kb + l, _MM_HINT_T0);
         }
-        for (int i = start / BS; i < nblk; i++) {
-            if (i > start / BS && table[i] == table[i - 1] + 1) continue;
+    };
+    if (pf)
+        for (int i = first; i < nblk && i < first + AHEAD; i++) prefetch_k_if_scattered(i);
+    for (int i = first; i < nblk; i++) {
+        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        if (pf) {
+            if (i + AHEAD < nblk) prefetch_k_if_scattered(i + AHEAD);
             const char* vb = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
             for (int l = 0; l < RUN; l += 64) _mm_prefetch(vb + l, _MM_HINT_T1);
-        }
-    }
-    for (int i = start / BS; i < nblk; i++) {
-        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        if (prefetch_scattered) {
-            const char* vb = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
-            for (int l = 0; l < DH * BS * 2; l += 64) _mm_prefetch(vb + l, _MM_HINT_T1);
         }
         // two chains per head (even and odd dimension pairs), added at the end: a fixed order,
         // and twice the independent dot products in flight
@@ -316,8 +317,10 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     const int even = L & ~1;
     // the next task's K lines, a few per key pair of this pass (LINES a run)
     constexpr int LINES = DH * BS * 2 / 64;
-    const NextTask nx = prefetch_scattered >= 2 ? next_task : NextTask{};  // (a copy: no TLS reads in the loop)
-    const long nx_lines = nx.table ? (long)(nx.nblk - nx.first_block) * LINES : 0;
+    const NextTask nx = pf >= 2 ? next_task : NextTask{};  // (a copy: no TLS reads in the loop)
+    constexpr long MAX_LINES = 262144 / 64;  // at most 256 KB of it: a quarter of this machine's L2
+    const long nx_all = nx.table ? (long)(nx.nblk - nx.first_block) * LINES : 0;
+    const long nx_lines = nx_all < MAX_LINES ? nx_all : MAX_LINES;
     const long pairs = (even - (start & ~1)) / 2 * (DH / 64);
     const long per_pair = pairs > 0 ? (nx_lines + pairs - 1) / pairs : 0;
     long nx_done = 0;
@@ -611,8 +614,8 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                              scale, Lpad);
         } else {
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
-        // (row, KV head) tasks, each claimed one ahead (a shared counter, as schedule(dynamic, 1)
-        // would hand them out) so the kernel knows the next one and can prefetch its keys
+        // (row, KV head) tasks from a shared counter, each thread claiming its next task one ahead
+        // while many are left, so the kernel knows the next one and can prefetch its keys
         auto one = [&](long task) {
             const int n = (int)(task / Hkv), h = (int)(task % Hkv);
             const T* qr = q + n * qs + (long)h * G * Dh;
@@ -629,10 +632,13 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             else
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
         };
-        const long total = (long)N * Hkv;
+        // Claiming ahead holds a task back from the other threads, so it stops once few are left
+        // (a thread would otherwise take two of the last tasks while another has none).
+        const long total = (long)N * Hkv, few = 2L * omp_get_num_threads();
         long cur = claimed.fetch_add(1, std::memory_order_relaxed);
         while (cur < total) {
-            const long nxt = claimed.fetch_add(1, std::memory_order_relaxed);
+            const bool ahead = total - cur > few;
+            const long nxt = ahead ? claimed.fetch_add(1, std::memory_order_relaxed) : total;
             next_task = NextTask{};
             if (nxt < total) {
                 const int n = (int)(nxt / Hkv);
@@ -641,7 +647,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 next_task = NextTask{tables + (long)row_table[n] * table_len, ws / bs, (L + bs - 1) / bs, (int)(nxt % Hkv)};
             }
             one(cur);
-            cur = nxt;
+            cur = ahead ? nxt : claimed.fetch_add(1, std::memory_order_relaxed);
         }
         next_task = NextTask{};
         std::free(sc);

@@ -346,6 +346,7 @@ class LlamaModel:
         """(M, D) -> (M, V) float32."""
         return self.logits_raw(hidden).float()
 
+    @torch.inference_mode()
     def logits_raw(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M, V) in the model's dtype: what the head computes, before any widening
         (the sampler widens only rows that need more than an argmax; bf16 -> fp32 is exact)."""
