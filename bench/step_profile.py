@@ -10,7 +10,7 @@ each timed step is followed by an untimed one, as the engine runs it: `plain_dec
 and its share of the GEMM-bound rate are what a user gets.
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
-        [--weights native] [--attention-prefetch 0,2 --rounds 3]
+        [--weights native] [--attention-prefetch 0,2 --rounds 3] [--paired-prefetch-ab 60]
 
 Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,19 +37,46 @@ from isolab.sampling_params import SamplingParams  # noqa: E402
 PHASES = ("schedule", "prepare", "gemm", "attention", "row_ops", "sample", "update", "other")
 
 
-def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
+def decoding_engine(bundle, dtype: str, n: int, prompt_words: tuple[int, int], max_tokens: int):
+    """An engine with n requests admitted, prefilled and decoding (two warm steps): (engine, detokenizers)."""
     engine = LLMEngine(build_engine_config(dtype=dtype, weights=bundle.weights, max_num_seqs=max(n, 1), kv_cache_memory=4096 * MiB,
                                            max_num_batched_tokens=2048), bundle)
     wl = make_workload(WorkloadSpec(num_requests=n, prompt_len=prompt_words, output_len=(128, 128), seed=n))
     detoks = {}
     for i, p in enumerate(wl.prompts):
-        engine.add_request(f"r{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=2 * steps + 64, temperature=0,
+        engine.add_request(f"r{i}", engine.tokenizer.encode(p), SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                                 ignore_eos=True))
         detoks[f"r{i}"] = Detokenizer(engine.tokenizer)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()  # prefill (and a few first tokens)
     for _ in range(2):
         engine.step()  # warm
+    return engine, detoks
+
+
+def paired_prefetch_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int, lib) -> dict:
+    """Untimed decode steps of one engine, the attention prefetch level switched between 0 and 2 from
+    one step to the next: the machine's drift falls on both sides alike."""
+    engine, _ = decoding_engine(bundle, dtype, n, prompt_words, 2 * steps + 64)
+    ms: dict[int, list[float]] = {0: [], 2: []}
+    try:
+        for i in range(2 * steps):
+            level = (0, 2)[i % 2]
+            lib.isolab_attention_prefetch(level)
+            t0 = time.perf_counter()
+            engine.step()
+            ms[level].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        lib.isolab_attention_prefetch(2)
+        engine.close()
+    diff = [a - b for a, b in zip(ms[0], ms[2], strict=True)]
+    return {"concurrency": n, "steps_each": steps, "median_step_ms": {str(k): statistics.median(v) for k, v in ms.items()},
+            "median_paired_saving_ms": statistics.median(diff), "mean_paired_saving_ms": statistics.mean(diff),
+            "step_ms": {str(k): v for k, v in ms.items()}}
+
+
+def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
+    engine, detoks = decoding_engine(bundle, dtype, n, prompt_words, 2 * steps + 64)
     # Each timed step is followed by an untimed one, as the engine runs it (the one-call forward where
     # the model has one; the timers run the model layer by layer to time each phase): the two
     # figures are taken side by side, so the machine's drift moves both.
@@ -95,6 +123,9 @@ def main() -> int:
                     help="the attention kernel's prefetch levels to run, alternating (0 none, 1 within a task, 2 also "
                          "the next task: the default; bench/attention_prefetch.py)")
     ap.add_argument("--rounds", type=int, default=1, help="with several levels: how many times to alternate them")
+    ap.add_argument("--paired-prefetch-ab", type=int, default=0, metavar="STEPS",
+                    help="instead of profiling: STEPS untimed steps at each prefetch level 0 and 2, switched every step "
+                         "(writes step_profile_prefetch_paired.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
@@ -104,6 +135,21 @@ def main() -> int:
     if levels != [2] and (lib is None or kernels.attention_isa() != "avx512bf16"):
         print("--attention-prefetch: the prefetches are in the AVX512-BF16 attention kernel, which this CPU does not run")
         return 2
+    if args.paired_prefetch_ab:
+        if lib is None or kernels.attention_isa() != "avx512bf16":
+            print("--paired-prefetch-ab: the prefetches are in the AVX512-BF16 attention kernel, which this CPU does not run")
+            return 2
+        pairs = []
+        for n in (int(x) for x in args.concurrency.split(",")):
+            r = paired_prefetch_ab(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.paired_prefetch_ab, lib)
+            pairs.append(r)
+            print(f"N={n:4d}  untimed step, median: prefetch 0 {r['median_step_ms']['0']:.1f} ms, prefetch 2 "
+                  f"{r['median_step_ms']['2']:.1f} ms; paired saving median {r['median_paired_saving_ms']:.1f} ms, "
+                  f"mean {r['mean_paired_saving_ms']:.1f}", flush=True)
+        out = Path(args.out or Path(__file__).parent / "results" / "step_profile_prefetch_paired.json")
+        out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "rows": pairs}, indent=2))
+        print(f"wrote {out}")
+        return 0
     rows = []
     try:
         for n in (int(x) for x in args.concurrency.split(",")):
