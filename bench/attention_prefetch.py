@@ -85,10 +85,9 @@ def main() -> int:
     default = args.shape == "smollm2" and args.keys == "100:350"
     out_path = Path(args.out or Path(__file__).parent / "results" / (
         "attention_prefetch.json" if default else f"attention_prefetch_{args.shape}_{lo}-{hi}.json"))
-    lib = kernels._library()
-    if lib is None or kernels.attention_isa() != "avx512bf16":
+    if not kernels.attention_prefetch(2):
         print(f"the prefetches are in the AVX512-BF16 kernel; this CPU's bf16 attention path is "
-              f"{kernels.attention_isa() if lib else 'torch'}: nothing to compare")
+              f"{kernels.attention_isa() if kernels.native_ready() else 'torch'}: nothing to compare")
         return 2
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(int(lo), int(hi), (args.rows,), generator=gen)
@@ -107,7 +106,7 @@ def main() -> int:
             for kind, t in tables.items():
                 for level in [(rnd + j) % len(LEVELS) for j in range(len(LEVELS))]:
                     name = LEVELS[level]
-                    lib.isolab_attention_prefetch(level)
+                    kernels.attention_prefetch(level)
                     step = []
                     for _ in range(args.reps):
                         t0 = time.perf_counter()
@@ -119,7 +118,7 @@ def main() -> int:
                     first.setdefault(kind, out)
                     times.setdefault(f"{kind}/{name}", []).append(statistics.median(step) * 1e3)
     finally:
-        lib.isolab_attention_prefetch(len(LEVELS) - 1)
+        kernels.attention_prefetch(len(LEVELS) - 1)
     result = {"cpu": cpu_description(), "rows": args.rows, "layers": LAYERS, "shape": args.shape,
               "kv_heads": HKV, "group": G, "head_dim": DH, "keys": [int(lo), int(hi)],
               "mean_keys": float(lens.float().mean()), "mb_read_per_step": mb, "rounds": args.rounds, "cases": {}}

@@ -54,7 +54,7 @@ def decoding_engine(bundle, dtype: str, n: int, prompt_words: tuple[int, int], m
     return engine, detoks
 
 
-def paired_prefetch_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int, lib) -> dict:
+def paired_prefetch_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
     """Untimed decode steps of one engine, the attention prefetch level switched between 0 and 2 from
     one step to the next: the machine's drift falls on both sides alike."""
     engine, _ = decoding_engine(bundle, dtype, n, prompt_words, 2 * steps + 64)
@@ -62,12 +62,12 @@ def paired_prefetch_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int]
     try:
         for i in range(2 * steps):
             level = (0, 2)[i % 2]
-            lib.isolab_attention_prefetch(level)
+            kernels.attention_prefetch(level)
             t0 = time.perf_counter()
             engine.step()
             ms[level].append((time.perf_counter() - t0) * 1e3)
     finally:
-        lib.isolab_attention_prefetch(2)
+        kernels.attention_prefetch(2)
         engine.close()
     diff = [a - b for a, b in zip(ms[0], ms[2], strict=True)]
     return {"concurrency": n, "steps_each": steps, "median_step_ms": {str(k): statistics.median(v) for k, v in ms.items()},
@@ -131,17 +131,14 @@ def main() -> int:
     lo, _, hi = args.prompt_len.partition(":")
     bundle = load_bundle(None, args.dtype, weights=args.weights)
     levels = [int(x) for x in args.attention_prefetch.split(",")]
-    lib = kernels._library()
-    if levels != [2] and (lib is None or kernels.attention_isa() != "avx512bf16"):
-        print("--attention-prefetch: the prefetches are in the AVX512-BF16 attention kernel, which this CPU does not run")
+    if (levels != [2] or args.paired_prefetch_ab) and not kernels.attention_prefetch(2):
+        print("--attention-prefetch / --paired-prefetch-ab: the prefetches are in the AVX512-BF16 attention kernel, "
+              "which this CPU does not run")
         return 2
     if args.paired_prefetch_ab:
-        if lib is None or kernels.attention_isa() != "avx512bf16":
-            print("--paired-prefetch-ab: the prefetches are in the AVX512-BF16 attention kernel, which this CPU does not run")
-            return 2
         pairs = []
         for n in (int(x) for x in args.concurrency.split(",")):
-            r = paired_prefetch_ab(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.paired_prefetch_ab, lib)
+            r = paired_prefetch_ab(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.paired_prefetch_ab)
             pairs.append(r)
             print(f"N={n:4d}  untimed step, median: prefetch 0 {r['median_step_ms']['0']:.1f} ms, prefetch 2 "
                   f"{r['median_step_ms']['2']:.1f} ms; paired saving median {r['median_paired_saving_ms']:.1f} ms, "
@@ -155,8 +152,7 @@ def main() -> int:
         for n in (int(x) for x in args.concurrency.split(",")):
             for _ in range(args.rounds if len(levels) > 1 else 1):
                 for level in levels:
-                    if lib is not None and kernels.attention_isa() == "avx512bf16":
-                        lib.isolab_attention_prefetch(level)
+                    kernels.attention_prefetch(level)
                     r = profile_at(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.steps)
                     r["attention_prefetch"] = level
                     rows.append(r)
@@ -170,8 +166,7 @@ def main() -> int:
                           f"{r['plain_share_of_gemm_bound']:.0%} of GEMM-bound\n"
                           f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
     finally:
-        if lib is not None and kernels.attention_isa() == "avx512bf16":
-            lib.isolab_attention_prefetch(2)
+        kernels.attention_prefetch(2)
     out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")
     out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "steps": args.steps, "rows": rows}, indent=2))
     print(f"wrote {out}")

@@ -160,6 +160,17 @@ def attention_fast_paths(on: bool) -> None:
     lib.isolab_attention_fast_paths(int(on))
 
 
+def attention_prefetch(level: int) -> bool:
+    """Set what the AVX512-BF16 attention kernel prefetches (paged_attention.cpp: 0 nothing, 1 within
+    a task, 2 also the next task, the default); no level changes a bit. False where this CPU's bf16
+    attention is another kernel, which has no prefetches to set."""
+    lib = _library()
+    if lib is None or attention_isa() != "avx512bf16":
+        return False
+    lib.isolab_attention_prefetch(int(level))
+    return True
+
+
 def attention_bf16_dot() -> bool:
     """Whether bf16 attention uses bf16 dot products, on AMX tiles or AVX512-BF16 (other rounding
     than the generic path)."""

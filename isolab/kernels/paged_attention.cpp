@@ -236,8 +236,8 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
     }
 }
 
-// What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K/V runs of scattered
-// blocks up front, each block's V while its keys are scored); 2 (default) also the next task's K
+// What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K runs of scattered blocks
+// a few blocks ahead, each block's V while its keys are scored); 2 (default) also the next task's K
 // during its P.V pass. bench/attention_prefetch.py compares the three; no setting changes a bit.
 static std::atomic<int> prefetch_level{2};  // read once a task (relaxed): a setting, not a synchronization
 extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(level, std::memory_order_relaxed); }

@@ -107,3 +107,26 @@ def test_chat_uses_the_gguf_template(llm):
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert llm.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user\nhi<|im_end|>")
     assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_bf16_logits_are_widened_for_all_but_a_plain_argmax():
+    """The sampler takes the head's bf16 logits and widens them to fp32 for every request that needs
+    more than an argmax (logprobs, penalties, temperature): each gets exactly what fp32 logits give.
+    A plain greedy batch keeps bf16, whose argmax is fp32's (the widening is exact)."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(4, 300, generator=g) * 3).to(torch.bfloat16)
+    reqs = [
+        Request("lp", [1, 2], SamplingParams(temperature=0.0, logprobs=2), None),
+        Request("rep", [5, 6, 7], SamplingParams(temperature=0.0, repetition_penalty=1.3), None),
+        Request("hot", [1], SamplingParams(temperature=0.7, seed=3), None),
+        Request("plain", [1], SamplingParams(temperature=0.0), None),
+    ]
+    for r in reqs:
+        r.generator = torch.Generator().manual_seed(11)
+    got = sample(logits, reqs)
+    for r in reqs:
+        r.generator = torch.Generator().manual_seed(11)
+    want = sample(logits.float(), reqs)
+    assert got == want
+    plain = [reqs[3]] * 4
+    assert [t for t, _ in sample(logits, plain)] == torch.argmax(logits.float(), dim=-1).tolist()

@@ -208,18 +208,17 @@ def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh, window):
     runs once, and a window's first block is where the next task's prefetch starts. (Where the
     CPU has no AVX512-BF16 the levels change nothing, and this still checks the task loop.)"""
     q, kv, tables, pos = _case(torch.bfloat16, heads, hkv, dh, 16, rows=24, nb=5)
-    lib = kernels._library()
     outs = []
     for rows in (24, 3, 1):  # many tasks, and fewer than the threads' claim-ahead margin
         every = torch.arange(rows, dtype=torch.int32)
         per_level = []
         try:
             for level in (0, 1, 2):
-                lib.isolab_attention_prefetch(level)
+                kernels.attention_prefetch(level)
                 per_level.append(kernels.paged_attention(q[:rows], kv, tables[:rows], every, pos[:rows], dh**-0.5,
                                                          window=window))
         finally:
-            lib.isolab_attention_prefetch(2)
+            kernels.attention_prefetch(2)
         assert torch.equal(per_level[0], per_level[1]) and torch.equal(per_level[0], per_level[2])
         outs.append(per_level[2])
     assert torch.equal(outs[1], outs[0][:3]) and torch.equal(outs[2], outs[0][:1])
