@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 
 import numpy as np
 import torch
@@ -80,10 +81,19 @@ class KVStorage:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros that cost no memory until written, on the CPU: calloc'd pages (numpy's zeros) are
-    mapped by the OS on first touch, where torch.zeros writes every byte at once; so an idle
-    server's RSS does not grow with kv_cache_memory."""
+    """Zeros that cost no memory until written, on the CPU: an anonymous mapping's pages are mapped
+    (zeroed) by the OS on first touch, where torch.zeros writes every byte at once; so an idle
+    server's RSS does not grow with kv_cache_memory.
+
+    In 4 KiB pages, not huge ones: a layer's pool is 2 x Hkv runs of num_blocks blocks, and the first
+    blocks a batch writes land in every run, so with 2 MiB pages (numpy's zeros asks for them) a fresh
+    engine's first steps zeroed 2 MiB for every 2 KiB written: 0.7 s of a cold 32-request bench,
+    slow steps later, and RSS for blocks nobody wrote (bench/first_touch.py)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where transparent huge pages are "always"
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    # numpy's array holds the mapping, the tensor holds the array: the pages live as long as the tensor
+    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8, count=nbytes)).view(dtype).view(shape)
