@@ -39,7 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
-HEADERS = (Path(__file__).with_name("simd.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -143,6 +143,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_gemm_isa.argtypes = []
     lib.isolab_attention_fast_paths.restype = None
     lib.isolab_attention_fast_paths.argtypes = [i32]
+    lib.isolab_balance.restype = None
+    lib.isolab_balance.argtypes = [i32]
     lib.isolab_attention_prefetch.restype = None
     lib.isolab_attention_prefetch.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
@@ -168,6 +170,18 @@ def attention_prefetch(level: int) -> bool:
     if lib is None or attention_isa() != "avx512bf16":
         return False
     lib.isolab_attention_prefetch(int(level))
+    return True
+
+
+def balance(on: bool, *, late_first_thread: bool = False) -> bool:
+    """Let the quantized GEMM's threads take the tasks another thread has not started (balance.h;
+    the default), or keep each to its static share (the bench's A/B); `late_first_thread` holds
+    thread 0 back 2 ms a call so the others take its tasks (a test). No setting changes a bit.
+    False without the native kernels."""
+    lib = _library()
+    if lib is None:
+        return False
+    lib.isolab_balance(2 if on and late_first_thread else int(on))
     return True
 
 

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "balance.h"
 #include "simd.h"
 
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
@@ -420,17 +421,24 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     const long rb = record_bytes(fmt, fp16), panel_bytes = rb * nb;
     QA* qa = (QA*)std::aligned_alloc(64, sizeof(QA) * ((size_t)M * nb + 1));
     const bool par = (long)M * N * K > 50000;
+    // QNP panels share each activation broadcast where rows are many; one stream is faster for a few
+    // rows (memory-bound). Either way an output's arithmetic is the same.
+    const int qnp = M >= 4 ? QNP : 1, groups = (panels + qnp - 1) / qnp, chunks = (M + QMC - 1) / QMC;
+    isolab::Run runs[isolab::kMaxRuns];
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quantize_row(A + (long)m * lda, K, qa + (long)m * nb);
-        for (int m0 = 0; m0 < M; m0 += QMC) {
-            const int m1 = m0 + QMC < M ? m0 + QMC : M;
-            // QNP panels share each activation broadcast where rows are many; one stream is faster for
-            // a few rows (memory-bound). Either way an output's arithmetic is the same.
-            const int qnp = M >= 4 ? QNP : 1, groups = (panels + qnp - 1) / qnp;
-#pragma omp for schedule(static)
-            for (int g = 0; g < groups; g++) {
+        // a task: one chunk of QMC rows x one group of panels. Thread t owns its static share of the
+        // groups in every chunk, chunk by chunk (its panels stay in its cache); balance.h shares out
+        // what a thread the OS took away has left.
+        const int nt = omp_get_num_threads();
+        isolab::balanced(
+            runs, [&](int t) { return chunks * isolab::share_count(groups, nt, t); },
+            [&](int t, long i) {
+                const long per = isolab::share_count(groups, nt, t);
+                const int m0 = (int)(i / per) * QMC, g = (int)(isolab::share_first(groups, nt, t) + i % per);
+                const int m1 = m0 + QMC < M ? m0 + QMC : M;
                 const int p = g * qnp, np = panels - p < qnp ? panels - p : qnp;
                 const uint8_t* wp = W + (long)p * panel_bytes;
                 const int last = p + np - 1, cols = N - last * QP < QP ? N - last * QP : QP;
@@ -446,8 +454,7 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
                     else
                         tiles<S8G16>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                 }
-            }
-        }
+            });
     }
     std::free(qa);
 }
@@ -456,6 +463,9 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
 
 extern "C" {
 const char* isolab_qgemm_isa() { return QISA; }
+// 1: threads take each other's remaining tasks (default); 0: a static share each; 2: as 1, thread 0
+// late (balance.h)
+void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,

@@ -92,6 +92,32 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(fmt, fp16):
         torch.set_num_threads(threads)
 
 
+
+@pytest.mark.parametrize("fmt,fp16", FORMATS)
+def test_which_thread_runs_a_task_changes_no_bit(fmt, fp16):
+    """balance.h: a thread whose tasks are done takes another's. With thread 0 held back, the others
+    run its whole share (rows in two chunks of QMC, panels in groups): every output must still land
+    where it belongs, with the bits of a static schedule and of one thread."""
+    n, k = 200, 576
+    packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=5))
+    # two inputs in turn: an output buffer the allocator hands back still holds the other's result,
+    # so a task that lands nowhere cannot pass for done
+    xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (4, 6)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        refs = [kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16) for x in xs]
+        for t in (2, 3, 5):
+            torch.set_num_threads(t)
+            for on, late in ((False, False), (True, False), (True, True)):
+                kernels.balance(on, late_first_thread=late)
+                for x, ref in zip(xs, refs, strict=True):
+                    assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), ref), (t, on, late)
+    finally:
+        kernels.balance(True)
+        torch.set_num_threads(threads)
+
+
 HASH_SCRIPT = """
 import hashlib, torch
 from isolab import kernels
