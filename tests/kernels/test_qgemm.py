@@ -92,7 +92,6 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(fmt, fp16):
         torch.set_num_threads(threads)
 
 
-
 @pytest.mark.parametrize("fmt,fp16", FORMATS)
 def test_which_thread_runs_a_task_changes_no_bit(fmt, fp16):
     """balance.h: a thread whose tasks are done takes another's. With thread 0 held back, the others
