@@ -73,6 +73,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from isolab.engine.llm_engine import LLMEngine
+    from isolab.models.bundle import trim_heap
     from isolab.server import ServerConfig, create_app, load_registry
 
     # Keys and limits first: a misconfigured server refuses before spending seconds on the model.
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if plan is None:
         engine = LLMEngine(engine_config(args))
         app = create_app(engine, tenants, config)
+        trim_heap()  # what loading and the start-up check freed goes back to the OS before serving
         _serve(app, args)
         engine.close()
         return 0
