@@ -3,12 +3,18 @@ own shapes, at M = 1, 32 and 512 rows, in one run: ms per call and the ratio. Th
 model's (native records against the same tensors dequantized to bf16), hot in cache at M = 1.
 
     .venv/bin/python bench/qgemm.py [--model gemma3-270m] [--json bench/results/qgemm.json]
+    .venv/bin/python bench/qgemm.py --order-ab [--json bench/results/qgemm_order.json]
+
+--order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512, its task order for big
+weights (group by group, the next task's panels prefetched: the default) against chunk by chunk
+(kernels.qgemm_order), calls alternating, median ms of each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -32,9 +38,12 @@ def per_call_ms(fn, x: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--json", default="bench/results/qgemm.json")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--order-ab", action="store_true")
     args = ap.parse_args()
     m = load_bundle(args.model, "bf16", weights="native").model
+    if args.order_ab:
+        return order_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"))
     layer = m.layers[0]
     rows = []
     for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
@@ -55,8 +64,45 @@ def main() -> int:
                   f"{d / q:5.2f}x", flush=True)
     out = {"model": str(args.model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
            "qgemm_isa": kernels.qgemm_isa(), "gemm_isa": kernels.gemm_isa(), "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    target = Path(args.json or "bench/results/qgemm.json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def order_ab(m, model: str | None, target: Path) -> int:
+    layer = m.layers[0]
+    rows = []
+    try:
+        for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up),
+                        ("w_down", layer.w_down), ("lm_head", m.lm_head)):
+            if not isinstance(w, QuantWeight) or w.packed is None:
+                continue
+            k = w.packed.shape[1] * 32
+            for mm in (1, 32, 128, 512):
+                x = torch.randn(mm, k).to(torch.bfloat16)
+                reps = min(200, max(8, int(4e9 // (mm * w.n * k))))
+                ms: dict[bool, list[float]] = {False: [], True: []}
+                for i in range(2 * reps + 2):
+                    on = i % 2 == 1
+                    kernels.qgemm_order(on)
+                    t = time.perf_counter()
+                    w(x)
+                    if i >= 2:  # one warm call each
+                        ms[on].append((time.perf_counter() - t) * 1e3)
+                off, on_ = statistics.median(ms[False]), statistics.median(ms[True])
+                rows.append({"weight": name, "format": w.qtype, "n": w.n, "k": k, "m": mm, "calls_each": reps,
+                             "chunk_by_chunk_ms": round(off, 4), "default_ms": round(on_, 4),
+                             "saving": round(1 - on_ / off, 4)})
+                print(f"{name:10s} {w.qtype:6s} {w.n:6d}x{k:<5d} M={mm:<4d} chunk by chunk {off:8.3f} ms  "
+                      f"default {on_:8.3f} ms  {1 - on_ / off:+6.1%}", flush=True)
+    finally:
+        kernels.qgemm_order(True)
+    out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
+           "qgemm_isa": kernels.qgemm_isa(), "rows": rows}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1))
+    print(f"wrote {target}")
     return 0
 
 

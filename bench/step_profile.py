@@ -11,6 +11,7 @@ and its share of the GEMM-bound rate are what a user gets.
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
         [--weights native] [--attention-prefetch 0,2 --rounds 3] [--paired-prefetch-ab 60]
+        [--paired-order-ab 60]
 
 Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
 """
@@ -22,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,25 +56,28 @@ def decoding_engine(bundle, dtype: str, n: int, prompt_words: tuple[int, int], m
     return engine, detoks
 
 
-def paired_prefetch_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
-    """Untimed decode steps of one engine, the attention prefetch level switched between 0 and 2 from
-    one step to the next: the machine's drift falls on both sides alike."""
+def paired_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int,
+              switch: Callable[[bool], object]) -> dict:
+    """Untimed decode steps of one engine, `switch` turned off and on from one step to the next
+    (off: "0", on: "2" for the attention prefetch's levels, "1" otherwise): the machine's drift
+    falls on both sides alike. Saving: off minus on."""
     engine, _ = decoding_engine(bundle, dtype, n, prompt_words, 2 * steps + 64)
-    ms: dict[int, list[float]] = {0: [], 2: []}
+    ms: dict[bool, list[float]] = {False: [], True: []}
     try:
         for i in range(2 * steps):
-            level = (0, 2)[i % 2]
-            kernels.attention_prefetch(level)
+            on = i % 2 == 1
+            switch(on)
             t0 = time.perf_counter()
             engine.step()
-            ms[level].append((time.perf_counter() - t0) * 1e3)
+            ms[on].append((time.perf_counter() - t0) * 1e3)
     finally:
-        kernels.attention_prefetch(2)
+        switch(True)
         engine.close()
-    diff = [a - b for a, b in zip(ms[0], ms[2], strict=True)]
-    return {"concurrency": n, "steps_each": steps, "median_step_ms": {str(k): statistics.median(v) for k, v in ms.items()},
+    diff = [a - b for a, b in zip(ms[False], ms[True], strict=True)]
+    return {"concurrency": n, "steps_each": steps, "median_step_ms": {"off": statistics.median(ms[False]),
+                                                                      "on": statistics.median(ms[True])},
             "median_paired_saving_ms": statistics.median(diff), "mean_paired_saving_ms": statistics.mean(diff),
-            "step_ms": {str(k): v for k, v in ms.items()}}
+            "step_ms": {"off": ms[False], "on": ms[True]}}
 
 
 def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int) -> dict:
@@ -126,6 +131,9 @@ def main() -> int:
     ap.add_argument("--paired-prefetch-ab", type=int, default=0, metavar="STEPS",
                     help="instead of profiling: STEPS untimed steps at each prefetch level 0 and 2, switched every step "
                          "(writes step_profile_prefetch_paired.json)")
+    ap.add_argument("--paired-order-ab", type=int, default=0, metavar="STEPS",
+                    help="instead of profiling: STEPS untimed steps with the quantized GEMM's big-weight task order "
+                         "and prefetch off and on, switched every step (writes step_profile_qgemm_order_paired.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
@@ -135,16 +143,26 @@ def main() -> int:
         print("--attention-prefetch / --paired-prefetch-ab: the prefetches are in the AVX512-BF16 attention kernel, "
               "which this CPU does not run")
         return 2
-    if args.paired_prefetch_ab:
+    if args.paired_order_ab and (bundle.weights != "native" or not kernels.qgemm_order(True)):
+        print("--paired-order-ab: the task order is the quantized GEMM's, which runs with native weights only")
+        return 2
+    for steps, switch, name, what in (
+            (args.paired_prefetch_ab, lambda on: kernels.attention_prefetch(2 if on else 0), "prefetch",
+             "attention prefetch 0 / 2"),
+            (args.paired_order_ab, kernels.qgemm_order, "qgemm_order",
+             "qgemm chunk by chunk / big weights by group, next panels prefetched")):
+        if not steps:
+            continue
         pairs = []
         for n in (int(x) for x in args.concurrency.split(",")):
-            r = paired_prefetch_ab(bundle, args.dtype, n, (int(lo), int(hi or lo)), args.paired_prefetch_ab)
+            r = paired_ab(bundle, args.dtype, n, (int(lo), int(hi or lo)), steps, switch)
             pairs.append(r)
-            print(f"N={n:4d}  untimed step, median: prefetch 0 {r['median_step_ms']['0']:.1f} ms, prefetch 2 "
-                  f"{r['median_step_ms']['2']:.1f} ms; paired saving median {r['median_paired_saving_ms']:.1f} ms, "
-                  f"mean {r['mean_paired_saving_ms']:.1f}", flush=True)
-        out = Path(args.out or Path(__file__).parent / "results" / "step_profile_prefetch_paired.json")
-        out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "rows": pairs}, indent=2))
+            print(f"N={n:4d}  untimed step, median ({what}): {r['median_step_ms']['off']:.1f} ms / "
+                  f"{r['median_step_ms']['on']:.1f} ms; paired saving median {r['median_paired_saving_ms']:.2f} ms, "
+                  f"mean {r['mean_paired_saving_ms']:.2f}", flush=True)
+        out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{name}_paired.json")
+        out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "switch": what, "rows": pairs},
+                                  indent=2))
         print(f"wrote {out}")
         return 0
     rows = []

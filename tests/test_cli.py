@@ -59,3 +59,27 @@ def test_option_prefixes_are_not_guessed():
         with pytest.raises(SystemExit) as exc:
             parser.parse_args(args)
         assert exc.value.code == 2
+
+
+def test_bench_repeats_report_every_run_and_the_median(tmp_path, tiny_path):
+    """`bench --repeats 3`: three fresh engines (no prefix hits carried over), the figures of the
+    run with the median tok/s, and the engine's peak RSS from the first run."""
+    out_json = tmp_path / "bench.json"
+    out = isolab("bench", "--model", str(tiny_path), "--num-requests", "3", "--concurrency", "3",
+                 "--prompt-len", "6", "--output-len", "4", "--repeats", "3", "--json", str(out_json))
+    assert out.returncode == 0, out.stderr
+    import json
+
+    result = json.loads(out_json.read_text())
+    runs = [r["engine"] for r in result["runs"]]
+    assert len(runs) == 3 and all(r["output_tokens"] == 12 for r in runs)
+    assert all(r["prefix_cache_hit_rate"] == 0.0 for r in runs)  # each repeat starts on an empty cache
+    rates = sorted(r["output_tokens_per_s"] for r in runs)
+    assert result["engine"]["output_tokens_per_s"] == rates[1]
+    assert result["engine"]["peak_rss_mib"] == runs[0]["peak_rss_mib"] is not None
+    assert runs[1]["peak_rss_mib"] is None and "median of 3" in out.stdout
+
+
+def test_bench_repeats_must_be_positive():
+    out = isolab("bench", "--repeats", "0")
+    assert out.returncode == 2 and "need at least 1" in out.stderr

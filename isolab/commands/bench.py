@@ -20,6 +20,16 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
+    return n
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput and latency of the engine (or of any server, with --url)")
     w = p.add_argument_group("workload")
@@ -31,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts with the prefix")
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
+    p.add_argument("--repeats", type=_positive, default=1,
+                   help="run the engine's workload N times, each on a fresh engine (an empty prefix cache), "
+                        "interleaved with --compare's peer: each pair and the median are reported (1)")
     p.add_argument("--url", default=None, help="bench an OpenAI-compatible server instead of the engine")
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model", default=None, help="model name to send with --url")
@@ -68,20 +81,7 @@ def run(args: argparse.Namespace) -> int:
             raise IsolabError(f"no request completed against {args.url}: {(result['server']['errors'] or ['?'])[0]}")
         rows = [("server", result["server"])]
     else:
-        from isolab.bench.engine_bench import run_engine_bench
-        from isolab.llm import LLM
-
-        llm = LLM(**llm_kwargs(args))
-        result["engine"] = run_engine_bench(llm.engine, wl, args.concurrency)
-        result["engine"]["dtype"] = args.dtype
-        result["engine"]["weights"] = llm.engine.bundle.weights
-        rows = [(f"isolab ({args.dtype}, {llm.engine.bundle.weights} weights)", result["engine"])]
-        if args.compare == "hf":
-            from isolab.bench.engine_bench import run_hf_bench
-
-            result["hf"] = run_hf_bench(args.model, args.dtype, wl, args.concurrency)
-            result["ratio_vs_hf"] = result["engine"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
-            rows.append((f"transformers ({args.dtype}, static batch {args.concurrency})", result["hf"]))
+        rows = _engine_runs(args, wl, result)
     table = Table(title=f"isolab bench: {args.num_requests} requests, concurrency {args.concurrency}")
     for col in ("system", "output tok/s", "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "prefix hit rate", "peak RSS (MiB)"):
         table.add_column(col)
@@ -97,9 +97,60 @@ def run(args: argparse.Namespace) -> int:
                       f(d, "prefix_cache_hit_rate", 1, "{:.0%}"), f(d, "peak_rss_mib", 1, "{:.0f}"))
     console = Console()
     console.print(table)
+    if "runs" in result:
+        each = ", ".join(f"{r['engine']['output_tokens_per_s']:.1f}" for r in result["runs"])
+        console.print(f"isolab output tokens/s, median of {len(result['runs'])} runs: "
+                      f"{result['engine']['output_tokens_per_s']:.1f} (each run: {each})")
     if "ratio_vs_hf" in result:
-        console.print(f"isolab / transformers output tokens/s: {result['ratio_vs_hf']:.2f}x")
+        pairs = result.get("ratios_vs_hf", [result["ratio_vs_hf"]])
+        each = f" (median of {len(pairs)} pairs: {', '.join(f'{r:.2f}' for r in pairs)})" if len(pairs) > 1 else ""
+        console.print(f"isolab / transformers output tokens/s: {result['ratio_vs_hf']:.2f}x{each}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
     return 0
+
+
+def _engine_runs(args: argparse.Namespace, wl, result: dict) -> list[tuple[str, dict]]:
+    """The engine's workload `--repeats` times, each on a fresh engine, each followed by the peer's
+    run when --compare asks for one (the pair shares the machine's mood). One run: result["engine"]
+    (and result["hf"]) are its figures; more: result["runs"] holds every run, result["engine"] and
+    result["hf"] the run with the median tok/s (the engine's peak RSS: the first run's, taken before
+    transformers loaded), and ratio_vs_hf the median of the pairs' ratios."""
+    import statistics
+
+    from isolab.bench.engine_bench import load_hf, run_engine_bench, run_hf_bench
+    from isolab.llm import LLM
+
+    hf = None
+    runs: list[dict] = []
+    for i in range(args.repeats):
+        llm = LLM(**llm_kwargs(args))  # a fresh engine: its own KV pool, an empty prefix cache
+        run = {"engine": run_engine_bench(llm.engine, wl, args.concurrency)}
+        run["engine"]["dtype"] = args.dtype
+        weights = run["engine"]["weights"] = llm.engine.bundle.weights
+        if i:  # the process's peak now holds transformers' model too: only the first run's is the engine's
+            run["engine"]["peak_rss_mib"] = None
+        llm.engine.close()
+        if args.compare == "hf":
+            hf = hf or load_hf(args.model, args.dtype)
+            run["hf"] = run_hf_bench(args.model, args.dtype, wl, args.concurrency, loaded=hf)
+            run["ratio_vs_hf"] = run["engine"]["output_tokens_per_s"] / run["hf"]["output_tokens_per_s"]
+        runs.append(run)
+
+    def median_run(key: str) -> dict:
+        ordered = sorted((r[key] for r in runs), key=lambda d: d["output_tokens_per_s"])
+        return ordered[(len(ordered) - 1) // 2]
+
+    result["engine"] = {**median_run("engine"), "peak_rss_mib": runs[0]["engine"]["peak_rss_mib"]}
+    rows = [(f"isolab ({args.dtype}, {weights} weights)", result["engine"])]
+    if hf is not None:
+        result["hf"] = median_run("hf")
+        result["ratio_vs_hf"] = statistics.median(r["ratio_vs_hf"] for r in runs)
+        rows.append((f"transformers ({args.dtype}, static batch {args.concurrency})", result["hf"]))
+    if len(runs) > 1:
+        result["runs"] = runs
+        if hf is not None:
+            result["ratios_vs_hf"] = [r["ratio_vs_hf"] for r in runs]
+        rows = [(f"{name}, median of {len(runs)}", d) for name, d in rows]
+    return rows

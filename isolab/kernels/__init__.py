@@ -145,6 +145,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_attention_fast_paths.argtypes = [i32]
     lib.isolab_balance.restype = None
     lib.isolab_balance.argtypes = [i32]
+    lib.isolab_qgemm_order.restype = None
+    lib.isolab_qgemm_order.argtypes = [i32]
     lib.isolab_attention_prefetch.restype = None
     lib.isolab_attention_prefetch.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
@@ -182,6 +184,18 @@ def balance(on: bool, *, late_first_thread: bool = False) -> bool:
     if lib is None:
         return False
     lib.isolab_balance(2 if on and late_first_thread else int(on))
+    return True
+
+
+def qgemm_order(on: bool) -> bool:
+    """The quantized GEMM's task order for weights larger than its quantized activations (group by
+    group, so they stream from memory once) and its prefetch of the next task's panels above 4 MiB
+    (the default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
+    False without the native kernels."""
+    lib = _library()
+    if lib is None:
+        return False
+    lib.isolab_qgemm_order(int(on))
     return True
 
 

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 
 #include "balance.h"
 #include "simd.h"
@@ -415,6 +416,16 @@ static void tiles(int np, int rows, const uint8_t* W, long ps, int nb, bool fp16
         tile<FMT, 1>(rows, W, ps, nb, fp16, a, out, ldo, cols);
 }
 
+// 1 (default): the task order and prefetch above; 0: chunk by chunk, no prefetch (the bench's A/B).
+// Read once a call (relaxed): a setting, not a synchronization.
+inline std::atomic<int>& qgemm_order() {
+    static std::atomic<int> order{1};
+    return order;
+}
+constexpr long kPrefetchW = 4L << 20;  // W bytes above which the next task's panels are prefetched
+
+static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
+
 template <typename TA, typename TO>
 static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, TO* out, int M, int N, int K) {
     const int nb = K / QK, panels = (N + QP - 1) / QP;
@@ -425,24 +436,45 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     // rows (memory-bound). Either way an output's arithmetic is the same.
     const int qnp = M >= 4 ? QNP : 1, groups = (panels + qnp - 1) / qnp, chunks = (M + QMC - 1) / QMC;
     isolab::Run runs[isolab::kMaxRuns];
+    // The order of a thread's tasks (no bit depends on it). Where its share of W outweighs the
+    // quantized A (the vocabulary head: 15 MB a thread), group by group, every chunk of rows before
+    // the next group, so W streams from memory once; else chunk by chunk, its panels staying in
+    // cache while A moves on. W that large also has the next task's panels prefetched into L2
+    // while a task runs (bench/qgemm.py --order-ab measures both).
+    const long w_bytes = (long)panels * panel_bytes;
+    const int order = qgemm_order().load(std::memory_order_relaxed);
+    const bool by_group = order != 0 && w_bytes / 2 > (long)M * nb * (long)sizeof(QA);
+    const bool prefetch_next = order != 0 && w_bytes > kPrefetchW;
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quantize_row(A + (long)m * lda, K, qa + (long)m * nb);
         // a task: one chunk of QMC rows x one group of panels. Thread t owns its static share of the
-        // groups in every chunk, chunk by chunk (its panels stay in its cache); balance.h shares out
-        // what a thread the OS took away has left.
+        // groups in every chunk, in the order above; balance.h shares out what a thread the OS took
+        // away has left.
         const int nt = omp_get_num_threads();
         isolab::balanced(
             runs, [&](int t) { return chunks * isolab::share_count(groups, nt, t); },
             [&](int t, long i) {
-                const long per = isolab::share_count(groups, nt, t);
-                const int m0 = (int)(i / per) * QMC, g = (int)(isolab::share_first(groups, nt, t) + i % per);
+                const long per = isolab::share_count(groups, nt, t), first = isolab::share_first(groups, nt, t);
+                auto group_of = [&](long j) { return (int)(first + (by_group ? j / chunks : j % per)); };
+                const int m0 = (int)(by_group ? i % chunks : i / per) * QMC, g = group_of(i);
                 const int m1 = m0 + QMC < M ? m0 + QMC : M;
                 const int p = g * qnp, np = panels - p < qnp ? panels - p : qnp;
                 const uint8_t* wp = W + (long)p * panel_bytes;
                 const int last = p + np - 1, cols = N - last * QP < QP ? N - last * QP : QP;
+                // the owner's next task's panels, if other than these: into L2, a slice a row tile
+                const char* next_w = nullptr;
+                long next_lines = 0, pf_done = 0;
+                if (prefetch_next && i + 1 < chunks * per && m1 - m0 >= 4 * QMR && group_of(i + 1) != g) {
+                    const int p2 = group_of(i + 1) * qnp, np2 = panels - p2 < qnp ? panels - p2 : qnp;
+                    next_w = (const char*)(W + (long)p2 * panel_bytes);
+                    next_lines = np2 * panel_bytes / 64;
+                }
+                const long per_tile = (next_lines + (m1 - m0 + QMR - 1) / QMR - 1) / ((m1 - m0 + QMR - 1) / QMR);
                 for (int m = m0; m < m1; m += QMR) {
+                    for (long e = 0; e < per_tile && pf_done < next_lines; e++, pf_done++)
+                        prefetch_l2(next_w + pf_done * 64);
                     const int rows = m1 - m < QMR ? m1 - m : QMR;
                     const QA* a[QMR];
                     for (int r = 0; r < rows; r++) a[r] = qa + (long)(m + r) * nb;
@@ -466,6 +498,8 @@ const char* isolab_qgemm_isa() { return QISA; }
 // 1: threads take each other's remaining tasks (default); 0: a static share each; 2: as 1, thread 0
 // late (balance.h)
 void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
+// 1: big weights' task order and prefetch (default); 0: chunk by chunk, no prefetch (qgemm above)
+void isolab_qgemm_order(int order) { qgemm_order().store(order, std::memory_order_relaxed); }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,

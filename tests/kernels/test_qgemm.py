@@ -117,6 +117,32 @@ def test_which_thread_runs_a_task_changes_no_bit(fmt, fp16):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt,fp16", [(Q.U4, True), (Q.S8, True)])
+def test_task_order_and_prefetch_change_no_bit(fmt, fp16):
+    """Weights over 4 MiB (a vocabulary head's size) are taken group by group, every row chunk of
+    a group before the next, with the next task's panels prefetched. Neither may change a bit:
+    every thread count, task order, and thread 0 held back give one thread's result."""
+    n, k = 12000, 576  # over 4 MiB of records either format, and more than the 130 rows' quantized A
+    packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=7))
+    xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (8, 9)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        kernels.qgemm_order(False)
+        refs = [kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16) for x in xs]
+        for t in (2, 3):
+            torch.set_num_threads(t)
+            for order, late in ((True, False), (True, True), (False, False)):
+                kernels.qgemm_order(order)
+                kernels.balance(True, late_first_thread=late)
+                for x, ref in zip(xs, refs, strict=True):
+                    assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), ref), (t, order, late)
+    finally:
+        kernels.qgemm_order(True)
+        kernels.balance(True)
+        torch.set_num_threads(threads)
+
+
 HASH_SCRIPT = """
 import hashlib, torch
 from isolab import kernels
