@@ -5,9 +5,10 @@ model's (native records against the same tensors dequantized to bf16), hot in ca
     .venv/bin/python bench/qgemm.py [--model gemma3-270m] [--json bench/results/qgemm.json]
     .venv/bin/python bench/qgemm.py --order-ab [--json bench/results/qgemm_order.json]
 
---order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512, its task order for big
-weights (group by group, the next task's panels prefetched: the default) against chunk by chunk
-(kernels.qgemm_order), calls alternating, median ms of each.
+--order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512: its default (big weights
+group by group, the next task's panels prefetched) against chunk by chunk with no prefetch
+(kernels.qgemm_order), calls alternating, median ms of each. Here each weight is hot in cache
+after the first call; in a decode step it comes from memory (step_profile.py --paired-order-ab).
 """
 
 from __future__ import annotations

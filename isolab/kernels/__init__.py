@@ -189,8 +189,8 @@ def balance(on: bool, *, late_first_thread: bool = False) -> bool:
 
 def qgemm_order(on: bool) -> bool:
     """The quantized GEMM's task order for weights larger than its quantized activations (group by
-    group, so they stream from memory once) and its prefetch of the next task's panels above 4 MiB
-    (the default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
+    group, so they stream from memory once) and its prefetch of the next task's panels (the
+    default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
     False without the native kernels."""
     lib = _library()
     if lib is None:

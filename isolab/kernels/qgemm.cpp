@@ -422,7 +422,6 @@ inline std::atomic<int>& qgemm_order() {
     static std::atomic<int> order{1};
     return order;
 }
-constexpr long kPrefetchW = 4L << 20;  // W bytes above which the next task's panels are prefetched
 
 static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
 
@@ -439,12 +438,13 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     // The order of a thread's tasks (no bit depends on it). Where its share of W outweighs the
     // quantized A (the vocabulary head: 15 MB a thread), group by group, every chunk of rows before
     // the next group, so W streams from memory once; else chunk by chunk, its panels staying in
-    // cache while A moves on. W that large also has the next task's panels prefetched into L2
-    // while a task runs (bench/qgemm.py --order-ab measures both).
-    const long w_bytes = (long)panels * panel_bytes;
+    // cache while A moves on. And while a task of 4 row tiles or more runs, the next task's panels
+    // are prefetched into L2: a step's weights (92 MB on the default model) come from memory, and
+    // the hardware's prefetcher does not run far enough ahead of them (bench/qgemm.py --order-ab,
+    // bench/step_profile.py --paired-order-ab).
     const int order = qgemm_order().load(std::memory_order_relaxed);
-    const bool by_group = order != 0 && w_bytes / 2 > (long)M * nb * (long)sizeof(QA);
-    const bool prefetch_next = order != 0 && w_bytes > kPrefetchW;
+    const bool by_group = order != 0 && (long)panels * panel_bytes / 2 > (long)M * nb * (long)sizeof(QA);
+    const bool prefetch_next = order != 0;
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -498,7 +498,7 @@ const char* isolab_qgemm_isa() { return QISA; }
 // 1: threads take each other's remaining tasks (default); 0: a static share each; 2: as 1, thread 0
 // late (balance.h)
 void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
-// 1: big weights' task order and prefetch (default); 0: chunk by chunk, no prefetch (qgemm above)
+// 1: big weights' task order and the next task's prefetch (default); 0: chunk by chunk, no prefetch
 void isolab_qgemm_order(int order) { qgemm_order().store(order, std::memory_order_relaxed); }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.

@@ -119,10 +119,10 @@ def test_which_thread_runs_a_task_changes_no_bit(fmt, fp16):
 
 @pytest.mark.parametrize("fmt,fp16", [(Q.U4, True), (Q.S8, True)])
 def test_task_order_and_prefetch_change_no_bit(fmt, fp16):
-    """Weights over 4 MiB (a vocabulary head's size) are taken group by group, every row chunk of
-    a group before the next, with the next task's panels prefetched. Neither may change a bit:
-    every thread count, task order, and thread 0 held back give one thread's result."""
-    n, k = 12000, 576  # over 4 MiB of records either format, and more than the 130 rows' quantized A
+    """Weights larger than the quantized rows (a vocabulary head) are taken group by group, every
+    row chunk of a group before the next, with the next task's panels prefetched. Neither may change
+    a bit: every thread count, task order, and thread 0 held back give one thread's result."""
+    n, k = 12000, 576  # records far larger than the 130 rows' quantized A, either format
     packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=7))
     xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (8, 9)]
     threads = torch.get_num_threads()
