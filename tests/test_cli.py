@@ -83,3 +83,8 @@ def test_bench_repeats_report_every_run_and_the_median(tmp_path, tiny_path):
 def test_bench_repeats_must_be_positive():
     out = isolab("bench", "--repeats", "0")
     assert out.returncode == 2 and "need at least 1" in out.stderr
+
+
+def test_bench_url_refuses_engine_only_options():
+    out = isolab("bench", "--url", "http://127.0.0.1:9", "--repeats", "2")
+    assert out.returncode == 2 and "--repeats and --compare" in out.stderr and "Traceback" not in out.stderr

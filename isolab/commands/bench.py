@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         from isolab.bench.http_bench import run_http_bench
         from isolab.errors import InvalidRequestError, IsolabError
 
+        if args.repeats != 1 or args.compare:
+            raise InvalidRequestError("--repeats and --compare run the engine in this process; with --url, run "
+                                      "`isolab bench --url` once a server", field="url")
+
         try:
             extra = json.loads(args.extra_body) if args.extra_body else None
         except json.JSONDecodeError as exc:
