@@ -59,8 +59,8 @@ def decoding_engine(bundle, dtype: str, n: int, prompt_words: tuple[int, int], m
 def paired_ab(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps: int,
               switch: Callable[[bool], object]) -> dict:
     """Untimed decode steps of one engine, `switch` turned off and on from one step to the next
-    (off: "0", on: "2" for the attention prefetch's levels, "1" otherwise): the machine's drift
-    falls on both sides alike. Saving: off minus on."""
+    (the attention prefetch: levels 0 and 2; the GEMM's order: chunk by chunk and the default):
+    the machine's drift falls on both sides alike. Saving: off minus on."""
     engine, _ = decoding_engine(bundle, dtype, n, prompt_words, 2 * steps + 64)
     ms: dict[bool, list[float]] = {False: [], True: []}
     try:
