@@ -92,29 +92,42 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(fmt, fp16):
         torch.set_num_threads(threads)
 
 
+def _schedules_keep_one_threads_bits(fmt, fp16, n: int, seed: int, threads: tuple[int, ...],
+                                     settings: tuple[tuple[bool, bool, bool], ...]) -> None:
+    """130 rows (two chunks of QMC) of two inputs in turn against the packed weight, at each thread
+    count and (sharing, thread 0 late, task order) setting, must give one thread's bits with the
+    plain static order. Two inputs: an output buffer the allocator hands back still holds the
+    other's result, so a task that lands nowhere cannot pass for done."""
+    k = 576
+    packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=seed))
+    xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(seed + s)).to(torch.bfloat16) for s in (1, 2)]
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        kernels.balance(False)
+        kernels.qgemm_order(False)
+        refs = [kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16) for x in xs]
+        for t in threads:
+            torch.set_num_threads(t)
+            for share, late, order in settings:
+                kernels.balance(share, late_first_thread=late)
+                kernels.qgemm_order(order)
+                for x, ref in zip(xs, refs, strict=True):
+                    got = kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16)
+                    assert torch.equal(got, ref), (t, share, late, order)
+    finally:
+        kernels.balance(True)
+        kernels.qgemm_order(True)
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("fmt,fp16", FORMATS)
 def test_which_thread_runs_a_task_changes_no_bit(fmt, fp16):
     """balance.h: a thread whose tasks are done takes another's. With thread 0 held back, the others
     run its whole share (rows in two chunks of QMC, panels in groups): every output must still land
     where it belongs, with the bits of a static schedule and of one thread."""
-    n, k = 200, 576
-    packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=5))
-    # two inputs in turn: an output buffer the allocator hands back still holds the other's result,
-    # so a task that lands nowhere cannot pass for done
-    xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (4, 6)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        refs = [kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16) for x in xs]
-        for t in (2, 3, 5):
-            torch.set_num_threads(t)
-            for on, late in ((False, False), (True, False), (True, True)):
-                kernels.balance(on, late_first_thread=late)
-                for x, ref in zip(xs, refs, strict=True):
-                    assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), ref), (t, on, late)
-    finally:
-        kernels.balance(True)
-        torch.set_num_threads(threads)
+    _schedules_keep_one_threads_bits(fmt, fp16, 200, 5, (2, 3, 5),
+                                     ((False, False, True), (True, False, True), (True, True, True)))
 
 
 @pytest.mark.parametrize("fmt,fp16", [(Q.U4, True), (Q.S8, True)])
@@ -122,25 +135,9 @@ def test_task_order_and_prefetch_change_no_bit(fmt, fp16):
     """Weights larger than the quantized rows (a vocabulary head) are taken group by group, every
     row chunk of a group before the next, with the next task's panels prefetched. Neither may change
     a bit: every thread count, task order, and thread 0 held back give one thread's result."""
-    n, k = 12000, 576  # records far larger than the 130 rows' quantized A, either format
-    packed = Q.pack(Q.random_unpacked(fmt, n, k, fp16, seed=7))
-    xs = [torch.randn(130, k, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (8, 9)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        kernels.qgemm_order(False)
-        refs = [kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16) for x in xs]
-        for t in (2, 3):
-            torch.set_num_threads(t)
-            for order, late in ((True, False), (True, True), (False, False)):
-                kernels.qgemm_order(order)
-                kernels.balance(True, late_first_thread=late)
-                for x, ref in zip(xs, refs, strict=True):
-                    assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), ref), (t, order, late)
-    finally:
-        kernels.qgemm_order(True)
-        kernels.balance(True)
-        torch.set_num_threads(threads)
+    # 12,000 columns: records far larger than the 130 rows' quantized A, either format
+    _schedules_keep_one_threads_bits(fmt, fp16, 12000, 7, (2, 3),
+                                     ((True, False, True), (True, True, True), (True, False, False)))
 
 
 HASH_SCRIPT = """
