@@ -5,9 +5,10 @@ then `--steps` decode steps of N rows are profiled (isolab/bench/profile.py: sch
 preparation, each GEMM, attention, row ops, sampling, update, other), and the same N rows'
 output detokenized as the server would (Detokenizer.push per token, timed apart).
 The GEMM-bound rate is N / (GEMM ms per step): what the step would give if GEMMs were all.
-The timers run the model layer by layer (the one-call native forward cannot be timed inside), so
-each timed step is followed by an untimed one, as the engine runs it: `plain_decode_tok_per_s`
-and its share of the GEMM-bound rate are what a user gets.
+The timers run the model layer by layer (Python's timers cannot reach inside the one-call native
+forward), so each timed step is followed by an untimed one, as the engine runs it:
+`plain_decode_tok_per_s` and its share of the GEMM-bound rate are what a user gets, and
+`plain_forward_ms_per_step` is that forward's own per-op clock (forward.cpp), summed over layers.
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
         [--weights native] [--attention-prefetch 0,2 --rounds 3] [--paired-prefetch-ab 60]
@@ -94,6 +95,7 @@ def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps:
             detoks[o.request_id].push(o.new_token_ids)
         return time.perf_counter() - t
 
+    kernels.forward_profile(True)  # the untimed steps' one-call forward times its own ops
     for _ in range(steps):
         with prof:
             t0 = time.perf_counter()
@@ -103,6 +105,7 @@ def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps:
         t0 = time.perf_counter()
         detokenize(engine.step())
         plain_wall += time.perf_counter() - t0
+    native = kernels.forward_profile(False) or {}
     ms = prof.report()
     engine.close()
     ms["detokenize"] = detok_s * 1e3 / steps
@@ -114,6 +117,9 @@ def profile_at(bundle, dtype: str, n: int, prompt_words: tuple[int, int], steps:
         "plain_ms_per_step": plain_wall * 1e3 / steps,
         "plain_decode_tok_per_s": n * steps / plain_wall,
         "plain_share_of_gemm_bound": (n * steps / plain_wall) / (n / (ms["gemm"] / 1e3)),
+        # inside the one-call forward of the untimed steps (forward.cpp's own clocks; empty where the
+        # model runs layer by layer): ms a step per op, summed over the layers
+        "plain_forward_ms_per_step": {k: v / steps for k, v in native.items()},
     }
 
 
@@ -183,6 +189,9 @@ def main() -> int:
                           f"        untimed: step {r['plain_ms_per_step']:7.1f} ms  {r['plain_decode_tok_per_s']:7.1f} tok/s  "
                           f"{r['plain_share_of_gemm_bound']:.0%} of GEMM-bound\n"
                           f"        {parts}  detok {ms['detokenize']:.2f}\n        GEMMs: {gemms}", flush=True)
+                    if r["plain_forward_ms_per_step"]:
+                        inside = "  ".join(f"{k} {v:.2f}" for k, v in r["plain_forward_ms_per_step"].items())
+                        print(f"        untimed, inside the one-call forward: {inside}", flush=True)
     finally:
         kernels.attention_prefetch(2)
     out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")

@@ -135,6 +135,10 @@ def _library() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32, i32,
                        i32, i64, i32, f32, f32, ptr, ptr, ptr, ptr, ptr]
     lib.isolab_forward_layer_size.restype = i64
+    lib.isolab_forward_profile.restype = None
+    lib.isolab_forward_profile.argtypes = [i32]
+    lib.isolab_forward_profile_read.restype = i32
+    lib.isolab_forward_profile_read.argtypes = [ptr, i32]
     if lib.isolab_forward_layer_size() != ctypes.sizeof(FusedLayer):
         raise BuildError("forward.cpp's Layer and kernels.FusedLayer disagree")
     lib.isolab_qgemm_isa.restype = ctypes.c_char_p
@@ -447,6 +451,25 @@ class FusedLayer(ctypes.Structure):
 
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("qkv", FusedLinear),
                 ("o", FusedLinear), ("gate_up", FusedLinear), ("down", FusedLinear)]
+
+
+FORWARD_OPS = ("gemm.wqkv", "rope", "attention", "gemm.wo", "add_rms_norm", "gemm.w_gate_up", "silu_mul", "gemm.w_down")
+
+
+def forward_profile(on: bool) -> dict[str, float] | None:
+    """Time each op inside the one-call native forward (forward.cpp), summed over calls: on=True
+    zeroes the totals and starts; on=False stops and returns them in ms (None without the kernels).
+    For bench/step_profile.py; costs two clock reads an op while on."""
+    lib = _library()
+    if lib is None:
+        return None
+    if on:
+        lib.isolab_forward_profile(1)
+        return {}
+    lib.isolab_forward_profile(0)
+    out = (ctypes.c_double * len(FORWARD_OPS))()
+    lib.isolab_forward_profile_read(out, len(FORWARD_OPS))
+    return {name: out[i] / 1e6 for i, name in enumerate(FORWARD_OPS)}
 
 
 def pointer_array(tensors: list[torch.Tensor]):

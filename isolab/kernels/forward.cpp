@@ -2,6 +2,8 @@
 // order and on the buffers LlamaModel._forward_native uses for its per-op calls, so the bits are the
 // same (a test compares them); what goes is ~8 Python -> C round trips a layer (about 2 ms a token
 // at batch 1 on the small model, a third of a decode step).
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 
 extern "C" {
@@ -67,6 +69,23 @@ inline void attend(const float* q, const float* k, const float* v, long qs, cons
     isolab_paged_attention_fp32(q, k, v, qs, slots, (float*)kp, (float*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
 }
 
+// Per-op wall time across forward calls, for bench/step_profile.py (off by default: two clock reads
+// an op when on). Ops: the four linear layers, rope, attention, the two add_rms_norms, silu_mul.
+enum Op { QKV = 0, ROPE, ATTN, O, ADD_RMS, GATE_UP, SILU, DOWN, NOPS };
+std::atomic<int> profile_on{0};
+double profile_ns[NOPS];  // written by the calling thread only (the forward runs on one caller at a time)
+
+struct Timer {  // times one op of the forward if profiling is on
+    const bool on = profile_on.load(std::memory_order_relaxed) != 0;
+    std::chrono::steady_clock::time_point t0 = on ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    void lap(Op op) {
+        if (!on) return;
+        const auto t1 = std::chrono::steady_clock::now();
+        profile_ns[op] += std::chrono::duration<double, std::nano>(t1 - t0).count();
+        t0 = t1;
+    }
+};
+
 template <typename T>
 void linear(const T* a, const Linear& l, T* out, int M) {  // (M, k) @ W^T -> (M, n), rows contiguous
     if (l.quant)
@@ -87,16 +106,26 @@ void forward(T* x, T* h, const Layer* layers, void* const* k_pools, void* const*
     const int W = (H + 2 * Hkv) * Dh;
     for (int i = 0; i < L; i++) {
         const Layer& ly = layers[i];
+        Timer t;
         linear(h, ly.qkv, qkv, N);
+        t.lap(QKV);
         rope(qkv, cos, sin, positions, N, H + Hkv, W, Dh);
+        t.lap(ROPE);
         attend(qkv, qkv + H * Dh, qkv + (H + Hkv) * Dh, W, slots, k_pools[i], v_pools[i], tables, table_len, row_table,
                q_pos, att, N, H, Hkv, NB, bs, Dh, scale);
+        t.lap(ATTN);
         linear(att, ly.o, tmp, N);
+        t.lap(O);
         add_rms(x, tmp, ly.ffn_norm, h, N, D, eps);
+        t.lap(ADD_RMS);
         linear(h, ly.gate_up, gu, N);
+        t.lap(GATE_UP);
         silu(gu, act, N, ly.gate_up.n / 2);
+        t.lap(SILU);
         linear(act, ly.down, tmp, N);
+        t.lap(DOWN);
         add_rms(x, tmp, i + 1 < L ? layers[i + 1].attn_norm : final_norm, h, N, D, eps);
+        t.lap(ADD_RMS);
     }
 }
 
@@ -104,6 +133,16 @@ void forward(T* x, T* h, const Layer* layers, void* const* k_pools, void* const*
 
 extern "C" {
 long isolab_forward_layer_size() { return sizeof(Layer); }
+// on: start timing the forward's ops (and zero the totals); off: stop. read: the totals in ns, NOPS of them.
+void isolab_forward_profile(int on) {
+    if (on)
+        for (double& v : profile_ns) v = 0.0;
+    profile_on.store(on, std::memory_order_relaxed);
+}
+int isolab_forward_profile_read(double* out, int n) {
+    for (int i = 0; i < n && i < NOPS; i++) out[i] = profile_ns[i];
+    return NOPS;
+}
 #define ISOLAB_FORWARD(SUFFIX, T)                                                                                    \
     void isolab_forward_##SUFFIX(T* x, T* h, const Layer* layers, void* const* k_pools, void* const* v_pools, int L, const void* final_norm, const void* cos,     \
                                  const void* sin, const int64_t* positions, const int64_t* slots,                    \

@@ -107,6 +107,38 @@ static inline v16f load_scales(const uint8_t* p, bool fp16) {
     return r;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 load_ps(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_ps(const uint16_t* p) {  // bf16 -> fp32, exact
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// The scalar loop below, 16 lanes at a time, the same bits: max_ps(|x|, m) keeps m where |x| is NaN
+// (as `ax > amax` does) and a maximum is exact in any order; x * id is the same IEEE multiply;
+// cvtps_epi32 rounds to nearest even (the default MXCSR mode, as nearbyint) and gives INT_MIN where
+// (int) of NaN or an overflow does; cvtepi32_epi8 truncates as the int8_t cast does; integer sums
+// are exact in any order. bench: a step quantizes 98k values a row (30 layers), ~0.9 ns each scalar.
+template <typename T>
+static void quantize_row(const T* a, int K, QA* out) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int b = 0; b < K / QK; b++) {
+        const __m512 x0 = load_ps(a + (long)b * QK), x1 = load_ps(a + (long)b * QK + 16);
+        __m512 m = _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_setzero_ps());
+        m = _mm512_max_ps(_mm512_and_ps(x1, absmask), m);
+        const float amax = _mm512_reduce_max_ps(m);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+        QA& o = out[b];
+        _mm_storeu_si128((__m128i*)o.q, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(o.q + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        o.d = amax / 127.0f;
+        o.xs = o.d * (float)(s0 + s1);
+        o.s16[0] = s0;
+        o.s16[1] = s1;
+    }
+}
+#else
 template <typename T>
 static void quantize_row(const T* a, int K, QA* out) {
     for (int b = 0; b < K / QK; b++) {
@@ -130,6 +162,7 @@ static void quantize_row(const T* a, int K, QA* out) {
         o.s16[1] = s1;
     }
 }
+#endif
 
 static inline int32_t load4(const int8_t* p) {
     int32_t v;

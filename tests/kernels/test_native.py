@@ -147,19 +147,23 @@ def test_fused_row_ops_match_torch(dname):
     gate, up = gu.chunk(2, dim=-1)
     assert (kernels.silu_mul(gu).float() - (F.silu(gate) * up).float()).abs().max() < tol * 8
 
-    heads, dh, width = 12, 64, 15 * 64
-    qkv = torch.randn(6, width, generator=g).to(dtype)
-    positions = torch.tensor([0, 1, 7, 100, 511, 3])
-    inv = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
-    emb = torch.cat([torch.outer(torch.arange(512).float(), inv)] * 2, dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    rotated = qkv.clone()
-    kernels.rope_(rotated, cos, sin, positions, heads, dh)
-    xs = qkv[:, : heads * dh].view(6, heads, dh)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    ref = xs * c + torch.cat([-xs[..., dh // 2 :], xs[..., : dh // 2]], dim=-1) * s
-    assert (rotated[:, : heads * dh].view(6, heads, dh).float() - ref.float()).abs().max() < tol * 4
-    assert torch.equal(rotated[:, heads * dh :], qkv[:, heads * dh :])  # v untouched
+    for heads, dh in ((12, 64), (5, 40)):  # the models' head size, and one whose half is not 16 lanes
+        width = (heads + 3) * dh
+        qkv = torch.randn(6, width, generator=g).to(dtype)
+        qkv[0, :5], qkv[1, :3] = 0.0, -0.0  # signed zeros: the rotated half is negated, not subtracted from 0
+        positions = torch.tensor([0, 1, 7, 100, 511, 3])
+        inv = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
+        emb = torch.cat([torch.outer(torch.arange(512).float(), inv)] * 2, dim=-1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        rotated = qkv.clone()
+        kernels.rope_(rotated, cos, sin, positions, heads, dh)
+        xs = qkv[:, : heads * dh].view(6, heads, dh)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        ref = xs * c + torch.cat([-xs[..., dh // 2 :], xs[..., : dh // 2]], dim=-1) * s
+        got = rotated[:, : heads * dh].view(6, heads, dh)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), ref.view(bits)), dh  # torch's three roundings, bit for bit
+        assert torch.equal(rotated[:, heads * dh :], qkv[:, heads * dh :])  # v untouched
 
 
 def test_build_failure_is_a_clear_error(tmp_path):

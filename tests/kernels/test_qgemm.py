@@ -67,8 +67,14 @@ def test_kernel_gives_the_torch_reference_bits(fmt, fp16, n, k):
                 assert torch.equal(ours, Q.qgemm_ref(x, ref, out_dt)), (m, in_dt, out_dt)
 
 
-def test_activation_quantization_matches_the_reference():
-    x = torch.randn(9, 256).to(torch.bfloat16)  # bf16 inputs hit exact rounding ties often
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_quantization_matches_the_reference(dtype):
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(4))
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    x[1, 32:64] = 1e-30  # a block of tiny values (127 / amax is huge, still finite)
+    x[2, 64:96] = torch.linspace(-3e4, 3e4, 32)  # large magnitudes, a tie at zero
+    x[3, 96:128] = torch.arange(32) - 15.5  # exact halves: ties to even after scaling
+    x = x.to(dtype)  # bf16 inputs hit exact rounding ties often
     q, d, xs = kernels.quantize_rows(x)
     rq, rd, rxs = Q.quantize_rows_ref(x)
     assert torch.equal(q.float().view(9, -1, 32), rq) and torch.equal(d, rd) and torch.equal(xs, rxs)

@@ -104,3 +104,22 @@ def test_one_call_forward_gives_the_per_op_bits(tmp_path, dtype, qtype):
     finally:
         model._fused = table
     assert {r: f.pairs() for r, f in run_fused.items()} == {r: f.pairs() for r, f in run_ops.items()}
+
+
+def test_the_forward_profile_times_every_op_and_changes_no_bit(q4_bundle):
+    """kernels.forward_profile: forward.cpp's own clocks (bench/step_profile.py reads them). Every op
+    of the one-call forward gets time, the totals restart at each start, and the logits are the
+    same bits with the clocks on."""
+    ids = list(range(5, 45))
+    plain = q4_bundle.model.reference_logits(ids)
+    kernels.forward_profile(True)
+    try:
+        timed = q4_bundle.model.reference_logits(ids)
+    finally:
+        first = kernels.forward_profile(False)
+    assert torch.equal(timed, plain)
+    assert set(first) == set(kernels.FORWARD_OPS) and all(v > 0 for v in first.values()), first
+    q4_bundle.model.reference_logits(ids)  # clocks off: nothing added
+    assert kernels.forward_profile(False) == first
+    kernels.forward_profile(True)
+    assert all(v == 0 for v in kernels.forward_profile(False).values())
