@@ -151,6 +151,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_balance.argtypes = [i32]
     lib.isolab_qgemm_order.restype = None
     lib.isolab_qgemm_order.argtypes = [i32]
+    lib.isolab_attention_row_units.restype = None
+    lib.isolab_attention_row_units.argtypes = [i32]
     lib.isolab_attention_prefetch.restype = None
     lib.isolab_attention_prefetch.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
@@ -166,6 +168,17 @@ def attention_fast_paths(on: bool) -> None:
     lib = _library()
     assert lib is not None
     lib.isolab_attention_fast_paths(int(on))
+
+
+def attention_row_units(on: bool) -> bool:
+    """bf16 rows of a prompt chunk, four consecutive positions of one table at a time, in one pass
+    over their keys (paged_attention.cpp, attend_rows_bf16; the default), or every row alone: for
+    the bench's A/B and the tests. No bit changes. False where the kernels are not built."""
+    lib = _library()
+    if lib is None:
+        return False
+    lib.isolab_attention_row_units(1 if on else 0)
+    return True
 
 
 def attention_prefetch(level: int) -> bool:

@@ -365,6 +365,111 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
         }
     }
 }
+
+// R consecutive rows of one table (a prompt chunk: keys 0..L-1, 0..L, ...), one KV head: every
+// row's operations are exactly attend_row_bf16's (the same chains in the same order, the same
+// softmax and roundings, the odd last key alone), so a row's bits are those it has alone; what
+// changes is that each K and V vector is loaded once for the R rows, not once a row. Scores stay
+// in registers as there (R * G * 2 chains: G <= 3 for R = 4); P.V takes the 64 dimensions in two
+// halves of 32 (R * G * 2 accumulators), each accumulator over the keys in the same order. No
+// sliding window and no prefetch (a prompt's blocks are consecutive: the stream prefetcher's).
+template <int G, int R, int DH = 64>
+static void attend_rows_bf16(const uint16_t* q, long qs, const uint16_t* kplane, const uint16_t* vplane,
+                             const int32_t* table, const int* Ls, long NB, int h, float scale, uint16_t* out,
+                             long os, float* sc, int Lpad) {
+    static_assert(R * G * 2 + 3 <= 32, "the score chains must fit the 32 vector registers");
+    constexpr int BS = 16;
+    int nblk[R], Lown[R], even[R], nmax = 0, emin = Ls[0], emax = 0;
+    for (int r = 0; r < R; r++) {
+        nblk[r] = (Ls[r] + BS - 1) / BS;
+        Lown[r] = nblk[r] * BS;
+        even[r] = Ls[r] & ~1;
+        nmax = nblk[r] > nmax ? nblk[r] : nmax;
+        emin = even[r] < emin ? even[r] : emin;
+        emax = even[r] > emax ? even[r] : emax;
+    }
+    uint32_t qp[R][G][DH / 2];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) std::memcpy(qp[r][g], q + r * qs + g * DH, DH * 2);
+    auto srow = [&](int r, int g) { return sc + (long)(r * G + g) * Lpad; };
+    for (int i = 0; i < nmax; i++) {  // a row past its own blocks computes scores it never stores
+        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        __m512 acc[R][G], acc1[R][G];
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) acc[r][g] = acc1[r][g] = _mm512_setzero_ps();
+        for (int p = 0; p < DH / 2; p += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * BS * 2);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * BS * 2);
+            for (int r = 0; r < R; r++)
+                for (int g = 0; g < G; g++) {
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], k0, (__m512bh)_mm512_set1_epi32((int)qp[r][g][p]));
+                    acc1[r][g] = _mm512_dpbf16_ps(acc1[r][g], k1, (__m512bh)_mm512_set1_epi32((int)qp[r][g][p + 1]));
+                }
+        }
+        for (int r = 0; r < R; r++)
+            if (i < nblk[r])
+                for (int g = 0; g < G; g++)
+                    _mm512_storeu_ps(srow(r, g) + (long)i * BS,
+                                     _mm512_mul_ps(_mm512_add_ps(acc[r][g], acc1[r][g]), _mm512_set1_ps(scale)));
+    }
+    float sum[R][G];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            float* s = srow(r, g);
+            sum[r][g] = softmax_row(s, Ls[r], Lown[r]);
+            uint16_t* pb = (uint16_t*)(void*)s;
+            for (int k = 0; k < Lown[r]; k += 16) {
+                const v16u b = bf16_bits16(load16(s + k));
+                _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
+            }
+        }
+    alignas(64) float accb[R][G][DH];
+    for (int half = 0; half < 2; half++) {
+        __m512 o[R][G][2];
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) o[r][g][0] = o[r][g][1] = _mm512_setzero_ps();
+        auto pair_step = [&](int k, int r, const __m512bh& v0, const __m512bh& v1) {
+            for (int g = 0; g < G; g++) {
+                uint32_t pair;
+                std::memcpy(&pair, (const uint16_t*)(const void*)srow(r, g) + k, 4);
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+                o[r][g][0] = _mm512_dpbf16_ps(o[r][g][0], v0, pp);
+                o[r][g][1] = _mm512_dpbf16_ps(o[r][g][1], v1, pp);
+            }
+        };
+        for (int k = 0; k < emax; k += 2) {
+            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2
+                                 + half * 64;
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb), v1 = (__m512bh)_mm512_loadu_si512(vb + 32);
+            if (k < emin) {
+                for (int r = 0; r < R; r++) pair_step(k, r, v0, v1);
+            } else {
+                for (int r = 0; r < R; r++)
+                    if (k < even[r]) pair_step(k, r, v0, v1);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+                _mm512_storeu_ps(accb[r][g] + half * 32, o[r][g][0]);
+                _mm512_storeu_ps(accb[r][g] + half * 32 + 16, o[r][g][1]);
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            float* acc = accb[r][g];
+            const int L = Ls[r];
+            if (L & 1) {  // the odd last key, whose pair partner is not visible
+                const int k = L - 1;
+                const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
+                uint32_t pb = (uint32_t)((const uint16_t*)(const void*)srow(r, g))[k] << 16;
+                float p;
+                std::memcpy(&p, &pb, 4);
+                for (int d = 0; d < DH; d++) acc[d] += p * load(vb, vidx(vb, k % BS, d, DH));
+            }
+            const float inv = 1.0f / sum[r][g];
+            for (int d = 0; d < DH; d++) store(out + r * os, (long)g * DH + d, acc[d] * inv);
+        }
+}
 #define ISOLAB_HAVE_BF16_DOT 1
 #else
 #define ISOLAB_HAVE_BF16_DOT 0
@@ -385,6 +490,26 @@ static bool attend_fast_256(int G, const T* q, const T* kplane, const T* vplane,
 #endif
     (void)G, (void)q, (void)kplane, (void)vplane, (void)table, (void)L, (void)NB, (void)h, (void)scale, (void)out,
         (void)sc, (void)Lpad;
+    return false;
+}
+
+// Rows of a prompt chunk four at a time (attend_rows_bf16): 1 (default) or 0 (every row alone, for
+// the bench's A/B). No bit depends on it. Read once a call (relaxed): a setting, not a synchronization.
+static std::atomic<int> row_units{1};
+constexpr int UNIT = 4;
+// rows n .. n + UNIT - 1 of one unit, one KV head; false: this G has no unit kernel
+static bool attend_unit(int G, const uint16_t* q, long qs, const uint16_t* kplane, const uint16_t* vplane,
+                        const int32_t* table, const int* Ls, long NB, int h, float scale, uint16_t* out, long os,
+                        float* sc, int Lpad) {
+#if ISOLAB_HAVE_BF16_DOT
+    switch (G) {
+        case 1: attend_rows_bf16<1, UNIT>(q, qs, kplane, vplane, table, Ls, NB, h, scale, out, os, sc, Lpad); return true;
+        case 2: attend_rows_bf16<2, UNIT>(q, qs, kplane, vplane, table, Ls, NB, h, scale, out, os, sc, Lpad); return true;
+        case 3: attend_rows_bf16<3, UNIT>(q, qs, kplane, vplane, table, Ls, NB, h, scale, out, os, sc, Lpad); return true;
+    }
+#endif
+    (void)q, (void)qs, (void)kplane, (void)vplane, (void)table, (void)Ls, (void)NB, (void)h, (void)scale, (void)out;
+    (void)os, (void)sc, (void)Lpad;
     return false;
 }
 
@@ -587,6 +712,27 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             units.push_back(R);
             n += R;
         }
+    // Units of UNIT consecutive rows of one table at consecutive positions (a prompt chunk's rows),
+    // each computed by its first row's (row, KV head) task with attend_rows_bf16; unit[n]: UNIT at
+    // a unit's first row, 0 at its other rows (their tasks do nothing), 1 for a row alone.
+    std::vector<int8_t> unit;
+    const bool by_units = sizeof(T) == 2 && ISOLAB_HAVE_BF16_DOT && !amx && fast_paths && bs == 16 && Dh == 64 &&
+                       window == 0 && G <= 3 && row_units.load(std::memory_order_relaxed) != 0;
+    if (by_units) {
+        unit.assign(N, 1);
+        for (int n = 0; n + UNIT <= N;) {
+            bool ok = true;
+            for (int r = 1; r < UNIT && ok; r++)
+                ok = row_table[n + r] == row_table[n] && q_pos[n + r] == q_pos[n] + r;
+            if (!ok) {
+                n++;
+                continue;
+            }
+            unit[n] = UNIT;
+            for (int r = 1; r < UNIT; r++) unit[n + r] = 0;
+            n += UNIT;
+        }
+    }
     std::atomic<long> claimed{0};  // the next (row, KV head) task not yet taken
 #pragma omp parallel
     {
@@ -613,7 +759,7 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             attend_units_amx(q, qs, kplane, vplane, tables, table_len, row_table, q_pos, out, units, H, Hkv, NB, G,
                              scale, Lpad);
         } else {
-        float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)G * Lpad);
+        float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)(by_units ? UNIT : 1) * G * Lpad);
         // (row, KV head) tasks from a shared counter, each thread claiming its next task one ahead
         // while many are left, so the kernel knows the next one and can prefetch its keys
         auto one = [&](long task) {
@@ -622,6 +768,16 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
+            if (by_units && unit[n] != 1) {  // 0: another task's unit holds this row
+                if (unit[n] == 0) return;
+                int Ls[UNIT];
+                for (int r = 0; r < UNIT; r++) Ls[r] = L + r;
+                window_start = 0;
+                if constexpr (sizeof(T) == 2)
+                    if (attend_unit(G, (const uint16_t*)qr, qs, (const uint16_t*)kplane, (const uint16_t*)vplane, table,
+                                    Ls, NB, h, scale, (uint16_t*)orow, (long)H * Dh, sc, Lpad))
+                        return;
+            }
             window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
                 return;
@@ -658,6 +814,8 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
 
 extern "C" {
 void isolab_attention_fast_paths(int on) { fast_paths = on; }
+// 1 (default): a prompt chunk's rows four at a time (attend_rows_bf16); 0: every row alone. No bit changes.
+void isolab_attention_row_units(int on) { row_units.store(on, std::memory_order_relaxed); }
 int isolab_attention_bf16_dot() { return ISOLAB_HAVE_BF16_DOT || (ISOLAB_HAVE_AMX_ATTENTION && amx_ready()); }
 // the path bf16 rows take: "amx" (tiles), "avx512bf16" (dot products) or "fma" (fp32 arithmetic)
 const char* isolab_attention_isa() {

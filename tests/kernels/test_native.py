@@ -87,6 +87,31 @@ def test_a_row_gets_the_same_bits_alone_in_a_batch_or_in_a_chunk(dname):
         assert torch.equal(one, chunk[t : t + 1])
 
 
+@pytest.mark.parametrize("heads,hkv", [(9, 3), (4, 2), (2, 2)])
+def test_a_prompt_chunks_rows_taken_four_at_a_time_keep_each_rows_bits(heads, hkv):
+    """bf16 rows of one table at consecutive positions run four at a time in one pass over their keys
+    (attend_rows_bf16 on AVX512-BF16): every row must get the bits it gets alone, wherever the units
+    fall (chunks starting at several offsets, odd and even lengths, across block edges), beside decode
+    rows and another prompt's chunk, and the call must equal the one with units switched off."""
+    dtype = torch.bfloat16
+    q, kv, tables, _ = _case(dtype, heads, hkv, 64, 16, rows=4, nb=6)
+    g = torch.Generator().manual_seed(5)
+    for start in (0, 1, 3, 17):
+        pos = torch.cat([torch.arange(start, start + 38), torch.tensor([70, 9]), torch.arange(0, 21)]).to(torch.int32)
+        rt = torch.cat([torch.zeros(38), torch.tensor([2, 3]), torch.ones(21)]).to(torch.int32)
+        qs = torch.randn(len(pos), heads, 64, generator=g).to(dtype)
+        every = kernels.paged_attention(qs, kv, tables, rt, pos, 0.125)
+        kernels.attention_row_units(False)
+        try:
+            assert torch.equal(kernels.paged_attention(qs, kv, tables, rt, pos, 0.125), every), start
+        finally:
+            kernels.attention_row_units(True)
+        for r in range(len(pos)):
+            alone = kernels.paged_attention(qs[r : r + 1], kv, tables[int(rt[r]) : int(rt[r]) + 1],
+                                            torch.zeros(1, dtype=torch.int32), pos[r : r + 1], 0.125)
+            assert torch.equal(alone, every[r : r + 1]), (start, r)
+
+
 def test_only_keys_up_to_the_position_in_the_rows_own_table_are_read():
     """Poison (NaN) everything a row must not see: later slots of its last block, the blocks after
     it in its table, and every block of other rows' tables. Its output stays finite; poisoning a
