@@ -10,7 +10,8 @@
 // makes a row's bits independent of what else runs (issue 3, item 7). Keys after `pos` are never
 // read (the AVX paths), or enter only as exact zeros that change no sum (AMX, below). Paths:
 //   fp32 and generic bf16: fp32 arithmetic, one (row, kv head) per thread task;
-//   bf16 with AVX512-BF16 (no AMX): dot products on the paired layouts, a row at a time;
+//   bf16 with AVX512-BF16 (no AMX): dot products on the paired layouts, a row at a time, or a
+//   prompt chunk's rows four at a time in one pass over their keys (the same operations a row);
 //   bf16 with AMX tiles: a unit of consecutive rows of one table per task (a prompt chunk), its
 //   (row, head) queries the rows of one tile; every bf16 row on that CPU takes it, decode rows too.
 #include <cmath>
