@@ -39,6 +39,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
+# the kernels' run-time settings (isolab_<name>(int)): none changes a bit, each is for an A/B or a test
+SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order")
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
@@ -145,16 +147,10 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_qgemm_isa.argtypes = []
     lib.isolab_gemm_isa.restype = ctypes.c_char_p
     lib.isolab_gemm_isa.argtypes = []
-    lib.isolab_attention_fast_paths.restype = None
-    lib.isolab_attention_fast_paths.argtypes = [i32]
-    lib.isolab_balance.restype = None
-    lib.isolab_balance.argtypes = [i32]
-    lib.isolab_qgemm_order.restype = None
-    lib.isolab_qgemm_order.argtypes = [i32]
-    lib.isolab_attention_row_units.restype = None
-    lib.isolab_attention_row_units.argtypes = [i32]
-    lib.isolab_attention_prefetch.restype = None
-    lib.isolab_attention_prefetch.argtypes = [i32]
+    for name in SETTINGS:  # the kernels' run-time settings: one int each, nothing returned
+        fn = getattr(lib, f"isolab_{name}")
+        fn.restype = None
+        fn.argtypes = [i32]
     lib.isolab_attention_bf16_dot.restype = i32
     lib.isolab_attention_bf16_dot.argtypes = []
     lib.isolab_attention_isa.restype = ctypes.c_char_p
@@ -162,34 +158,34 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _set(name: str, value: int) -> bool:
+    """Set one of SETTINGS; False without the native kernels."""
+    lib = _library()
+    if lib is None:
+        return False
+    getattr(lib, f"isolab_{name}")(int(value))
+    return True
+
+
 def attention_fast_paths(on: bool) -> None:
     """Let rows with bs = 16, Dh = 64 take the vectorized kernels (default), or send every row
     through the generic one (tests compare them)."""
-    lib = _library()
-    assert lib is not None
-    lib.isolab_attention_fast_paths(int(on))
+    ok = _set("attention_fast_paths", on)
+    assert ok, "attention_fast_paths needs the native kernels"
 
 
 def attention_row_units(on: bool) -> bool:
     """bf16 rows of a prompt chunk, four consecutive positions of one table at a time, in one pass
     over their keys (paged_attention.cpp, attend_rows_bf16; the default), or every row alone: for
     the bench's A/B and the tests. No bit changes. False where the kernels are not built."""
-    lib = _library()
-    if lib is None:
-        return False
-    lib.isolab_attention_row_units(1 if on else 0)
-    return True
+    return _set("attention_row_units", on)
 
 
 def attention_prefetch(level: int) -> bool:
     """Set what the AVX512-BF16 attention kernel prefetches (paged_attention.cpp: 0 nothing, 1 within
     a task, 2 also the next task, the default); no level changes a bit. False where this CPU's bf16
     attention is another kernel, which has no prefetches to set."""
-    lib = _library()
-    if lib is None or attention_isa() != "avx512bf16":
-        return False
-    lib.isolab_attention_prefetch(int(level))
-    return True
+    return _library() is not None and attention_isa() == "avx512bf16" and _set("attention_prefetch", level)
 
 
 def balance(on: bool, *, late_first_thread: bool = False) -> bool:
@@ -197,11 +193,7 @@ def balance(on: bool, *, late_first_thread: bool = False) -> bool:
     the default), or keep each to its static share (the bench's A/B); `late_first_thread` holds
     thread 0 back 2 ms a call so the others take its tasks (a test). No setting changes a bit.
     False without the native kernels."""
-    lib = _library()
-    if lib is None:
-        return False
-    lib.isolab_balance(2 if on and late_first_thread else int(on))
-    return True
+    return _set("balance", 2 if on and late_first_thread else int(on))
 
 
 def qgemm_order(on: bool) -> bool:
@@ -209,11 +201,7 @@ def qgemm_order(on: bool) -> bool:
     group, so they stream from memory once) and its prefetch of the next task's panels (the
     default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
     False without the native kernels."""
-    lib = _library()
-    if lib is None:
-        return False
-    lib.isolab_qgemm_order(int(on))
-    return True
+    return _set("qgemm_order", on)
 
 
 def attention_bf16_dot() -> bool:
@@ -481,7 +469,8 @@ def forward_profile(on: bool) -> dict[str, float] | None:
         return {}
     lib.isolab_forward_profile(0)
     out = (ctypes.c_double * len(FORWARD_OPS))()
-    lib.isolab_forward_profile_read(out, len(FORWARD_OPS))
+    if lib.isolab_forward_profile_read(out, len(FORWARD_OPS)) != len(FORWARD_OPS):
+        raise BuildError("forward.cpp's ops and kernels.FORWARD_OPS disagree")
     return {name: out[i] / 1e6 for i, name in enumerate(FORWARD_OPS)}
 
 

@@ -246,6 +246,37 @@ extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(leve
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
+// A head's probabilities s[0..Lown) rounded to bf16 once, 16 lanes at a time (bf16_bits16: the
+// scalar rounding), written in place as uint16 at the front of its score row: keys k, k+1 are then
+// the one 32-bit pair a dot product takes.
+static inline void round_probs_bf16(float* s, int Lown) {
+    uint16_t* pb = (uint16_t*)(void*)s;
+    for (int k = 0; k < Lown; k += 16) {
+        const v16u b = bf16_bits16(load16(s + k));  // read before the write below overlaps it
+        _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
+    }
+}
+
+// The end of one head's P.V for dimensions [c * 64, c * 64 + 64): acc holds the key pairs' sums;
+// an odd last key (its pair partner not visible) is added alone in fp32, then acc / sum is stored
+// as the head's output (out: the head's first value).
+template <int DH>
+static inline void finish_chunk_bf16(float* acc, int L, const uint16_t* vplane, const int32_t* table, long NB, int h,
+                                     const float* probs, float sum, uint16_t* out, int c) {
+    constexpr int BS = 16;
+    if (L & 1) {
+        const int k = L - 1;
+        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
+        uint32_t pb = (uint32_t)((const uint16_t*)(const void*)probs)[k] << 16;
+        float p;
+        std::memcpy(&p, &pb, 4);
+        for (int d = 0; d < 64; d++) acc[d] += p * load(vb, vidx(vb, k % BS, c * 64 + d, DH));
+    }
+    const float inv = 1.0f / sum;
+    uint16_t* o = out + (long)c * 64;
+    for (int d = 0; d < 64; d++) store(o, d, acc[d] * inv);
+}
+
 // bf16, bs = 16, Dh = 64: the same steps as attend_row_fast, with AVX512-BF16 dot products over
 // the paired layouts. Scores: 32 dimension pairs, each one instruction per query head for 16
 // keys. P.V: probabilities rounded to bf16 (as transformers rounds them before its matmul), two
@@ -304,17 +335,7 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     }
     float sum[G];
     for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lown);
-    // probabilities rounded to bf16 once, 16 lanes at a time (bf16_bits16: the scalar rounding),
-    // written in place as uint16 at the front of each head's score row: keys k, k+1 are then the
-    // one 32-bit pair a dot product takes
-    for (int g = 0; g < G; g++) {
-        float* s = sc + (long)g * Lpad;
-        uint16_t* pb = (uint16_t*)(void*)s;
-        for (int k = 0; k < Lown; k += 16) {
-            const v16u b = bf16_bits16(load16(s + k));  // read before the write below overlaps it
-            _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
-        }
-    }
+    for (int g = 0; g < G; g++) round_probs_bf16(sc + (long)g * Lpad, Lown);
     const int even = L & ~1;
     // the next task's K lines, a few per key pair of this pass (LINES a run)
     constexpr int LINES = DH * BS * 2 / 64;
@@ -353,16 +374,7 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
         for (int g = 0; g < G; g++) {
             float acc[64];
             for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + j * 16, o[g][j]);
-            if (L & 1) {  // the odd last key, whose pair partner is not visible
-                const int k = L - 1;
-                const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
-                uint32_t pb = (uint32_t)((const uint16_t*)(const void*)(sc + (long)g * Lpad))[k] << 16;
-                float p;
-                std::memcpy(&p, &pb, 4);
-                for (int d = 0; d < 64; d++) acc[d] += p * load(vb, vidx(vb, k % BS, c * 64 + d, DH));
-            }
-            const float inv = 1.0f / sum[g];
-            for (int d = 0; d < 64; d++) store(out, (long)g * DH + c * 64 + d, acc[d] * inv);
+            finish_chunk_bf16<DH>(acc, L, vplane, table, NB, h, sc + (long)g * Lpad, sum[g], out + (long)g * DH, c);
         }
     }
 }
@@ -379,6 +391,7 @@ static void attend_rows_bf16(const uint16_t* q, long qs, const uint16_t* kplane,
                              const int32_t* table, const int* Ls, long NB, int h, float scale, uint16_t* out,
                              long os, float* sc, int Lpad) {
     static_assert(R * G * 2 + 3 <= 32, "the score chains must fit the 32 vector registers");
+    static_assert(DH == 64, "P.V in two halves of 32 dimensions, finished as one chunk of 64");
     constexpr int BS = 16;
     int nblk[R], Lown[R], even[R], nmax = 0, emin = Ls[0], emax = 0;
     for (int r = 0; r < R; r++) {
@@ -416,13 +429,8 @@ static void attend_rows_bf16(const uint16_t* q, long qs, const uint16_t* kplane,
     float sum[R][G];
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
-            float* s = srow(r, g);
-            sum[r][g] = softmax_row(s, Ls[r], Lown[r]);
-            uint16_t* pb = (uint16_t*)(void*)s;
-            for (int k = 0; k < Lown[r]; k += 16) {
-                const v16u b = bf16_bits16(load16(s + k));
-                _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
-            }
+            sum[r][g] = softmax_row(srow(r, g), Ls[r], Lown[r]);
+            round_probs_bf16(srow(r, g), Lown[r]);
         }
     alignas(64) float accb[R][G][DH];
     for (int half = 0; half < 2; half++) {
@@ -456,20 +464,9 @@ static void attend_rows_bf16(const uint16_t* q, long qs, const uint16_t* kplane,
             }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) {
-            float* acc = accb[r][g];
-            const int L = Ls[r];
-            if (L & 1) {  // the odd last key, whose pair partner is not visible
-                const int k = L - 1;
-                const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH;
-                uint32_t pb = (uint32_t)((const uint16_t*)(const void*)srow(r, g))[k] << 16;
-                float p;
-                std::memcpy(&p, &pb, 4);
-                for (int d = 0; d < DH; d++) acc[d] += p * load(vb, vidx(vb, k % BS, d, DH));
-            }
-            const float inv = 1.0f / sum[r][g];
-            for (int d = 0; d < DH; d++) store(out + r * os, (long)g * DH + d, acc[d] * inv);
-        }
+        for (int g = 0; g < G; g++)
+            finish_chunk_bf16<DH>(accb[r][g], Ls[r], vplane, table, NB, h, srow(r, g), sum[r][g],
+                                  out + r * os + (long)g * DH, 0);
 }
 #define ISOLAB_HAVE_BF16_DOT 1
 #else
