@@ -1,12 +1,26 @@
-"""isolab's server and llama-cpp-python's server side by side: the same GGUF, the same streamed
-workload over HTTP, one server at a time on this machine. Prints a table and writes
-bench/results/server_compare.json.
+"""isolab's server beside llama.cpp's servers: the same GGUF, the same streamed workload over HTTP,
+one server at a time on this machine. Prints a table and writes bench/results/server_compare.json.
 
-    .venv/bin/python bench/server_compare.py [--concurrency 32] [--requests 64] [--max-tokens 128]
+    .venv/bin/python bench/server_compare.py [--concurrency 1,32,128] [--requests N] [--max-tokens 128]
+                                             [--prompt-words LO:HI] [--model PATH] [--llama-server PATH]
 
-llama-cpp-python's server runs with --interrupt_requests False: by default a new request cuts off
-the one being streamed, which would count as "done" after a token or two. It is skipped (and said so) when `llama_cpp` is not installed
-(`.venv/bin/pip install 'llama-cpp-python[server]'` builds it from source in about 5 minutes).
+Peers, each skipped with a sentence when it is not here:
+- llama.cpp's own `llama-server` (C++: parallel slots, continuous batching; the throughput peer).
+  Found at --llama-server, $LLAMA_SERVER, or where ../shared/tools/build_llama_server.sh puts it
+  (~/.cache/llama-server). It runs per concurrency C with C slots (`--parallel C`), each with its own
+  --slot-ctx tokens of KV (its default when --parallel is given: with one unified buffer,
+  --kv-unified, a step at 128 slots took 4.7 s here), --threads and --threads-batch as given, and
+  `--no-repack` (its AMX weight repacking crashes on these VMs); requests carry `ignore_eos`.
+- llama-cpp-python's server (`python -m llama_cpp.server`), with --interrupt_requests False: by
+  default a new request cuts off the one being streamed, which would count as "done" after a token
+  or two. It serves one request at a time, so it runs at 1 client and at the smallest concurrency
+  above 1. EOS gets a -100 logit bias (it has no ignore_eos).
+
+isolab runs with its defaults, one process for every concurrency; its requests carry ignore_eos, so
+every server runs every request to --max-tokens (the JSON says whether each did). The workload is
+--requests prompts (default 2 x C at each concurrency C, at least 8): short essay prompts, or with
+--prompt-words LO:HI the engine bench's random-word prompts (`isolab bench`'s workload, seed 0).
+The bench client shares the machine's cores with the server under test, the same for each.
 """
 
 from __future__ import annotations
@@ -28,7 +42,8 @@ from typing import Any
 import httpx
 
 from isolab.bench.http_bench import run_http_bench
-from isolab.models.locate import default_model_path
+from isolab.bench.workload import WorkloadSpec, make_workload
+from isolab.models.locate import resolve_model_path
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "copper", "tea", "glaciers", "violins", "bees",
           "deserts", "clocks", "salt", "comets", "maps", "ferns", "ink", "trains", "coral", "wool",
@@ -37,12 +52,25 @@ TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "copper", "tea", "glac
 
 
 EOS_TOKEN_ID = 2  # SmolLM2's <|im_end|>: llama-cpp-python has no ignore_eos, so it gets a logit bias
+LLAMA_SERVER_CACHE = Path.home() / ".cache" / "llama-server"
 
 
-def workload(num_requests: int, max_tokens: int) -> tuple[list[str], list[int]]:
+def workload(num_requests: int, max_tokens: int, prompt_words: tuple[int, int] | None) -> tuple[list[str], list[int]]:
+    if prompt_words:
+        wl = make_workload(WorkloadSpec(num_requests, prompt_words, (max_tokens, max_tokens)))
+        return wl.prompts, wl.max_tokens
     prompts = [f"Write a short essay about {TOPICS[i % len(TOPICS)]}, part {i // len(TOPICS) + 1}.\n\n"
                for i in range(num_requests)]
     return prompts, [max_tokens] * num_requests
+
+
+def find_llama_server(given: str | None) -> Path | None:
+    """--llama-server, $LLAMA_SERVER, or the build script's output under ~/.cache/llama-server."""
+    for cand in (given, os.environ.get("LLAMA_SERVER")):
+        if cand:
+            return Path(cand)
+    found = sorted(LLAMA_SERVER_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    return found[-1] if found else None
 
 
 def free_port() -> int:
@@ -65,24 +93,36 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("the server did not come up")
 
 
-def measure(name: str, cmd: list[str], port: int, prompts: list[str], max_tokens: list[int],
-            concurrencies: list[int], log_dir: Path, no_eos: dict[str, Any]) -> list[dict[str, Any]]:
-    """One server process, the workload once per concurrency. `no_eos`: the request fields that make
-    this server run to max_tokens, so both servers do the same work."""
+def rss_mib(pid: int) -> float | None:
+    try:
+        for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if ln.startswith("VmRSS"):
+                return round(int(ln.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def measure(name: str, cmd: list[str], port: int, loads: list[tuple[int, list[str], list[int]]],
+            log_dir: Path, no_eos: dict[str, Any]) -> list[dict[str, Any]]:
+    """One server process, each (concurrency, prompts, max_tokens) load in turn. `no_eos`: the
+    request fields that make this server run to max_tokens, so every server does the same work."""
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("ISOLAB_API_KEYS", None)
     results = []
-    with open(log_dir / f"{name}.log", "w") as log:
+    with open(log_dir / f"{name}-{port}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_up(url, proc)
-            run_http_bench(url, None, None, prompts[:2], [8, 8], 2, ignore_eos=False, extra_body=no_eos)  # warm-up
-            for c in concurrencies:
+            run_http_bench(url, None, None, loads[0][1][:2], [8, 8], 2, ignore_eos=False, extra_body=no_eos)  # warm-up
+            idle = rss_mib(proc.pid)
+            for c, prompts, max_tokens in loads:
                 r = run_http_bench(url, None, None, prompts, max_tokens, c, ignore_eos=False, extra_body=no_eos)
-                r["server"] = f"{name} x{c}"
-                r["command"] = " ".join(cmd[1:])
+                r["server"] = name
+                r["command"] = " ".join(Path(cmd[0]).name if i == 0 else a for i, a in enumerate(cmd))
                 r["ran_to_max_tokens"] = r["output_tokens"] == sum(max_tokens)
+                r["server_rss_mib"] = {"after_warm_up": idle, "after_run": rss_mib(proc.pid)}
                 results.append(r)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -98,66 +138,112 @@ def row(r: dict[str, Any]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f}"
 
-    t = r["ttft_s"]
-    return (f"{r['server']:<22} {r['output_tokens_per_s']:>9.1f} {r['output_tokens']:>7} {r['completed']:>4}/"
-            f"{r['num_requests']:<4} {ms(t['p50']):>7} {ms(t['p90']):>7} {ms(t['p99']):>7} {ms(r['itl_s']['p50']):>7}")
+    t, i = r["ttft_s"], r["itl_s"]
+    return (f"{r['server']:<18} {r['concurrency']:>4} {r['output_tokens_per_s']:>9.1f} {r['completed']:>4}/"
+            f"{r['num_requests']:<4} {ms(t['p50']):>7} {ms(t['p99']):>7} {ms(i['p50']):>6} {ms(i['p99']):>6}")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range LO:HI of positive ints")
+    return a, b
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", default="1,32,128", help="comma-separated client counts (1,32,128)")
+    p.add_argument("--requests", type=int, default=None, help="requests at each concurrency (default 2 x C, at least 8)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--model", default=None, help="GGUF path (default: the default model; bench/requantize.py "
+                   "writes copies in other block formats)")
+    p.add_argument("--prompt-words", type=_range, default=None,
+                   help="LO:HI random-word prompts as `isolab bench` sends (default: short essay prompts)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
-    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server: KV tokens a slot (x C in all)")
+    p.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, ~/.cache)")
+    p.add_argument("--skip", default="", help="comma-separated peers to leave out: llama-server, llama-cpp-python")
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "server_compare.json")
     args = p.parse_args()
-    gguf = default_model_path()
-    prompts, max_tokens = workload(args.requests, args.max_tokens)
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r} is not a comma-separated list of ints")
+    if levels[0] < 1:
+        p.error("--concurrency: every level must be at least 1")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    gguf = resolve_model_path(args.model)
+
+    def load(c: int) -> tuple[int, list[str], list[int]]:
+        prompts, max_tokens = workload(args.requests or max(2 * c, 8), args.max_tokens, args.prompt_words)
+        return c, prompts, max_tokens
+
     args.json.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="server_compare-"))  # the servers' own logs
     print(f"server logs in {log_dir}")
     py = sys.executable
-    results = []
+    results: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
     port = free_port()
-    results += (measure("isolab", [py, "-m", "isolab.cli", "serve", "--no-auth", "--port", str(port),
-                                      "--model", str(gguf), "--log-level", "warning"],
-                           port, prompts, max_tokens, [args.concurrency], log_dir, {"ignore_eos": True}))
-    skipped = None
-    if args.skip_llama:
-        skipped = "--skip-llama"
+    results += measure("isolab", [py, "-m", "isolab.cli", "serve", "--no-auth", "--port", str(port), "--model", str(gguf),
+                                  "--log-level", "warning"], port, [load(c) for c in levels], log_dir, {"ignore_eos": True})
+
+    binary = find_llama_server(args.llama_server)
+    if "llama-server" in skip:
+        skipped["llama-server"] = "--skip"
+    elif binary is None or not os.access(binary, os.X_OK):
+        skipped["llama-server"] = (f"no llama-server binary ({binary or 'none given'}): build one with "
+                                   "../shared/tools/build_llama_server.sh, or pass --llama-server PATH")
+    else:
+        for c in levels:  # a process per concurrency: its slots are fixed at start
+            port = free_port()
+            results += measure("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                                "--parallel", str(c), "--ctx-size", str(c * args.slot_ctx),
+                                                "--threads", str(args.threads), "--threads-batch", str(args.threads),
+                                                "--no-repack", "--no-webui"],
+                               port, [load(c)], log_dir, {"ignore_eos": True})
+
+    if "llama-cpp-python" in skip:
+        skipped["llama-cpp-python"] = "--skip"
     elif importlib.util.find_spec("llama_cpp") is None:
-        skipped = "llama_cpp is not installed"
+        skipped["llama-cpp-python"] = "llama_cpp is not installed (.venv/bin/pip install 'llama-cpp-python[server]')"
     else:
         port = free_port()
-        # at the same concurrency, and with one client: it serves one request at a time, so one
-        # client is its ceiling (at 32 clients its streams stall while others wait for its lock)
-        results += (measure("llama-cpp-python", [py, "-m", "llama_cpp.server", "--model", str(gguf),
-                                                    "--port", str(port), "--n_ctx", "4096", "--interrupt_requests", "False",
-                                                    "--n_threads", str(args.threads)],
-                               port, prompts, max_tokens, sorted({args.concurrency, 1}, reverse=True), log_dir,
-                               {"logit_bias": {str(EOS_TOKEN_ID): -100.0}}))
-    print(f"{'server':<22} {'out tok/s':>9} {'tokens':>7} {'done':>9} {'ttft50':>7} {'ttft90':>7} {'ttft99':>7} "
-          f"{'itl50':>7}   (ms)")
+        # one request at a time: one client is its ceiling, and at more its streams wait for its lock
+        cs = sorted({1, min((c for c in levels if c > 1), default=1)})
+        results += measure("llama-cpp-python", [py, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
+                                                "--n_ctx", "4096", "--interrupt_requests", "False",
+                                                "--n_threads", str(args.threads)],
+                           port, [load(c) for c in cs], log_dir, {"logit_bias": {str(EOS_TOKEN_ID): -100.0}})
+
+    print(f"{'server':<18} {'C':>4} {'out tok/s':>9} {'done':>9} {'ttft50':>7} {'ttft99':>7} {'itl50':>6} {'itl99':>6}  (ms)")
     for r in results:
         print(row(r))
-    ratio = None
-    best_llama = max((r["output_tokens_per_s"] for r in results[1:]), default=0.0)
-    if best_llama > 0:
-        ratio = results[0]["output_tokens_per_s"] / best_llama
-        print(f"isolab x{args.concurrency} / llama-cpp-python at its best: {ratio:.2f}x aggregate output tokens/s")
-    if skipped:
-        print(f"llama-cpp-python skipped: {skipped}")
+    ratios: dict[str, dict[str, float]] = {}
+    mine = {r["concurrency"]: r["output_tokens_per_s"] for r in results if r["server"] == "isolab"}
+    for peer in ("llama-server", "llama-cpp-python"):
+        theirs = {r["concurrency"]: r["output_tokens_per_s"] for r in results if r["server"] == peer}
+        same = {str(c): round(mine[c] / v, 3) for c, v in theirs.items() if c in mine and v > 0}
+        if same:
+            ratios[peer] = same
+            print(f"isolab / {peer}, output tok/s at the same concurrency: "
+                  + ", ".join(f"{c}: {x:.2f}x" for c, x in same.items()))
+    for peer, why in skipped.items():
+        print(f"{peer} skipped: {why}")
     out = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                                 if ln.startswith("model name")), platform.processor()),
                     "loadavg_at_end": os.getloadavg()},
         "model": gguf.name,
-        "workload": {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-                     "temperature": 0.0, "stream": True,
-                     "run_to_max_tokens": "isolab: ignore_eos; llama-cpp-python: logit_bias -100 on EOS"},
+        "workload": {"requests": args.requests or "2 x concurrency, at least 8", "concurrency": levels, "max_tokens": args.max_tokens,
+                     "prompts": f"{args.prompt_words[0]}-{args.prompt_words[1]} random words" if args.prompt_words
+                     else "short essay prompts", "temperature": 0.0, "stream": True,
+                     "run_to_max_tokens": "isolab, llama-server: ignore_eos; llama-cpp-python: logit_bias -100 on EOS"},
         "results": results,
-        "isolab_over_best_llama_cpp_python": ratio,
-        "llama_cpp_python_skipped": skipped,
+        "isolab_over_peer_same_concurrency": ratios,
+        "skipped": skipped,
     }
     args.json.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.json}")
