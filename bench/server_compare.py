@@ -173,6 +173,9 @@ def main() -> int:
     if levels[0] < 1:
         p.error("--concurrency: every level must be at least 1")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - {"llama-server", "llama-cpp-python"}:
+        p.error(f"--skip: unknown peer(s) {', '.join(sorted(skip - {'llama-server', 'llama-cpp-python'}))} "
+                "(llama-server, llama-cpp-python)")
     gguf = resolve_model_path(args.model)
 
     def load(c: int) -> tuple[int, list[str], list[int]]:
