@@ -111,10 +111,14 @@ def measure(name: str, cmd: list[str], port: int, loads: list[tuple[int, list[st
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("ISOLAB_API_KEYS", None)
     results = []
-    with open(log_dir / f"{name}-{port}.log", "w") as log:
+    log_path = log_dir / f"{name}-{port}.log"
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            wait_up(url, proc)
+            try:
+                wait_up(url, proc)
+            except RuntimeError as exc:
+                raise SystemExit(f"error: {name} did not start ({exc}); its log: {log_path}") from None
             run_http_bench(url, None, None, loads[0][1][:2], [8, 8], 2, ignore_eos=False, extra_body=no_eos)  # warm-up
             idle = rss_mib(proc.pid)
             for c, prompts, max_tokens in loads:
