@@ -9,8 +9,9 @@ Peers, each skipped with a sentence when it is not here:
   Found at --llama-server, $LLAMA_SERVER, or where ../shared/tools/build_llama_server.sh puts it
   (~/.cache/llama-server). It runs per concurrency C with C slots (`--parallel C`), each with its own
   --slot-ctx tokens of KV (its default when --parallel is given: with one unified buffer,
-  --kv-unified, a step at 128 slots took 4.7 s here), --threads and --threads-batch as given, and
-  `--no-repack` (its AMX weight repacking crashes on these VMs); requests carry `ignore_eos`.
+  --kv-unified, its log showed 4.7 s a step at 128 slots here), --threads and --threads-batch as
+  given, and `--no-repack` (its AMX repacking crashes on Intel VMs with AMX; on x86 its repacking
+  covers Q4_0, IQ4_NL, Q4_K, MXFP4 and Q2_K only); requests carry `ignore_eos`.
 - llama-cpp-python's server (`python -m llama_cpp.server`), with --interrupt_requests False: by
   default a new request cuts off the one being streamed, which would count as "done" after a token
   or two. It serves one request at a time, so it runs at 1 client and at the smallest concurrency
@@ -69,7 +70,11 @@ def find_llama_server(given: str | None) -> Path | None:
     for cand in (given, os.environ.get("LLAMA_SERVER")):
         if cand:
             return Path(cand)
-    found = sorted(LLAMA_SERVER_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    def version(path: Path) -> tuple[int, ...]:  # llama_cpp_python-0.3.36 -> (0, 3, 36)
+        tail = path.parts[len(LLAMA_SERVER_CACHE.parts)].rpartition("-")[2]
+        return tuple(int(x) for x in tail.split(".") if x.isdigit())
+
+    found = sorted(LLAMA_SERVER_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"), key=version)
     return found[-1] if found else None
 
 
@@ -103,10 +108,17 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+class DidNotStart(Exception):
+    """A server under test exited or did not answer; the message names its log."""
+
+
 def measure(name: str, cmd: list[str], port: int, loads: list[tuple[int, list[str], list[int]]],
             log_dir: Path, no_eos: dict[str, Any]) -> list[dict[str, Any]]:
     """One server process, each (concurrency, prompts, max_tokens) load in turn. `no_eos`: the
-    request fields that make this server run to max_tokens, so every server does the same work."""
+    request fields that make this server run to max_tokens, so every server does the same work.
+    Every request gets its own connection (keepalive=False), for every server: over reused
+    keep-alive connections llama-server dropped 2-3 of 32 requests at 16 clients in a probe
+    (ServerDisconnected)."""
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("ISOLAB_API_KEYS", None)
@@ -118,11 +130,13 @@ def measure(name: str, cmd: list[str], port: int, loads: list[tuple[int, list[st
             try:
                 wait_up(url, proc)
             except RuntimeError as exc:
-                raise SystemExit(f"error: {name} did not start ({exc}); its log: {log_path}") from None
-            run_http_bench(url, None, None, loads[0][1][:2], [8, 8], 2, ignore_eos=False, extra_body=no_eos)  # warm-up
+                raise DidNotStart(f"{name} did not start ({exc}); its log: {log_path}") from None
+            run_http_bench(url, None, None, loads[0][1][:2], [8, 8], 2, ignore_eos=False, extra_body=no_eos,
+                           keepalive=False)  # warm-up
             idle = rss_mib(proc.pid)
             for c, prompts, max_tokens in loads:
-                r = run_http_bench(url, None, None, prompts, max_tokens, c, ignore_eos=False, extra_body=no_eos)
+                r = run_http_bench(url, None, None, prompts, max_tokens, c, ignore_eos=False, extra_body=no_eos,
+                                   keepalive=False)
                 r["server"] = name
                 r["command"] = " ".join(Path(cmd[0]).name if i == 0 else a for i, a in enumerate(cmd))
                 r["ran_to_max_tokens"] = r["output_tokens"] == sum(max_tokens)
@@ -181,6 +195,9 @@ def main() -> int:
         p.error(f"--skip: unknown peer(s) {', '.join(sorted(skip - {'llama-server', 'llama-cpp-python'}))} "
                 "(llama-server, llama-cpp-python)")
     gguf = resolve_model_path(args.model)
+    binary = find_llama_server(args.llama_server)
+    if binary is not None and "llama-server" not in skip and not (binary.is_file() and os.access(binary, os.X_OK)):
+        p.error(f"--llama-server / $LLAMA_SERVER: {binary} is not an executable file")
 
     def load(c: int) -> tuple[int, list[str], list[int]]:
         prompts, max_tokens = workload(args.requests or max(2 * c, 8), args.max_tokens, args.prompt_words)
@@ -193,23 +210,30 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     port = free_port()
-    results += measure("isolab", [py, "-m", "isolab.cli", "serve", "--no-auth", "--port", str(port), "--model", str(gguf),
-                                  "--log-level", "warning"], port, [load(c) for c in levels], log_dir, {"ignore_eos": True})
+    try:
+        results += measure("isolab", [py, "-m", "isolab.cli", "serve", "--no-auth", "--port", str(port), "--model",
+                                      str(gguf), "--log-level", "warning"],
+                           port, [load(c) for c in levels], log_dir, {"ignore_eos": True})
+    except DidNotStart as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
-    binary = find_llama_server(args.llama_server)
     if "llama-server" in skip:
         skipped["llama-server"] = "--skip"
-    elif binary is None or not os.access(binary, os.X_OK):
-        skipped["llama-server"] = (f"no llama-server binary ({binary or 'none given'}): build one with "
-                                   "../shared/tools/build_llama_server.sh, or pass --llama-server PATH")
+    elif binary is None:
+        skipped["llama-server"] = ("no llama-server binary: build one with ../shared/tools/build_llama_server.sh, "
+                                   "or pass --llama-server PATH")
     else:
-        for c in levels:  # a process per concurrency: its slots are fixed at start
-            port = free_port()
-            results += measure("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                                "--parallel", str(c), "--ctx-size", str(c * args.slot_ctx),
-                                                "--threads", str(args.threads), "--threads-batch", str(args.threads),
-                                                "--no-repack", "--no-webui"],
-                               port, [load(c)], log_dir, {"ignore_eos": True})
+        try:
+            for c in levels:  # a process per concurrency: its slots are fixed at start
+                port = free_port()
+                results += measure("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1",
+                                                    "--port", str(port), "--parallel", str(c),
+                                                    "--ctx-size", str(c * args.slot_ctx), "--threads", str(args.threads),
+                                                    "--threads-batch", str(args.threads), "--no-repack", "--no-webui"],
+                                   port, [load(c)], log_dir, {"ignore_eos": True})
+        except DidNotStart as exc:
+            skipped["llama-server"] = str(exc)
 
     if "llama-cpp-python" in skip:
         skipped["llama-cpp-python"] = "--skip"
@@ -219,18 +243,30 @@ def main() -> int:
         port = free_port()
         # one request at a time: one client is its ceiling, and at more its streams wait for its lock
         cs = sorted({1, min((c for c in levels if c > 1), default=1)})
-        results += measure("llama-cpp-python", [py, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
-                                                "--n_ctx", "4096", "--interrupt_requests", "False",
-                                                "--n_threads", str(args.threads)],
-                           port, [load(c) for c in cs], log_dir, {"logit_bias": {str(EOS_TOKEN_ID): -100.0}})
+        try:
+            results += measure("llama-cpp-python", [py, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
+                                                    str(port), "--n_ctx", "4096", "--interrupt_requests", "False",
+                                                    "--n_threads", str(args.threads)],
+                               port, [load(c) for c in cs], log_dir, {"logit_bias": {str(EOS_TOKEN_ID): -100.0}})
+        except DidNotStart as exc:
+            skipped["llama-cpp-python"] = str(exc)
 
     print(f"{'server':<18} {'C':>4} {'out tok/s':>9} {'done':>9} {'ttft50':>7} {'ttft99':>7} {'itl50':>6} {'itl99':>6}  (ms)")
     for r in results:
         print(row(r))
     ratios: dict[str, dict[str, float]] = {}
-    mine = {r["concurrency"]: r["output_tokens_per_s"] for r in results if r["server"] == "isolab"}
+
+    def rates(server: str) -> dict[int, float]:  # only runs that did the whole workload compare
+        return {r["concurrency"]: r["output_tokens_per_s"] for r in results
+                if r["server"] == server and r["failed"] == 0 and r["ran_to_max_tokens"]}
+
+    for r in results:
+        if r["failed"] or not r["ran_to_max_tokens"]:
+            print(f"{r['server']} at {r['concurrency']} clients: {r['failed']} requests failed or stopped short "
+                  f"({(r['errors'] or ['short of max_tokens'])[0]}); no ratio at this level")
+    mine = rates("isolab")
     for peer in ("llama-server", "llama-cpp-python"):
-        theirs = {r["concurrency"]: r["output_tokens_per_s"] for r in results if r["server"] == peer}
+        theirs = rates(peer)
         same = {str(c): round(mine[c] / v, 3) for c, v in theirs.items() if c in mine and v > 0}
         if same:
             ratios[peer] = same

@@ -123,13 +123,12 @@ async def _served_model(session: aiohttp.ClientSession, base: str, headers: dict
 
 async def _run(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
                concurrency: int, *, ignore_eos: bool, timeout_s: float, temperature: float,
-               extra_body: dict[str, Any] | None) -> dict[str, Any]:
+               extra_body: dict[str, Any] | None, keepalive: bool) -> dict[str, Any]:
     base = _base(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # a connection a request: llama-server (cpp-httplib) dropped some requests sent on reused
-    # keep-alive connections (ServerDisconnected, 2-3 of 32 at 16 clients); a loopback connect costs
-    # far less than a token, the same for every server
-    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=True)
+    # keepalive=False: a connection a request (TTFT then includes the connect), for a server that
+    # drops requests sent on reused connections (bench/server_compare.py's llama-server)
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=not keepalive)
     # timeout_s bounds a connect and each wait for data, not a whole stream (as httpx's did); lines
     # (one SSE event each) up to 2 x read_bufsize = 8 MiB, room for any logprobs a request asks for
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
@@ -175,19 +174,22 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[s
 
 def run_http_bench(url: str, api_key: str | None, model: str | None, prompts: list[str], max_tokens: list[int],
                    concurrency: int, *, ignore_eos: bool = True, timeout_s: float = 600.0,
-                   temperature: float = 0.0, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
+                   temperature: float = 0.0, extra_body: dict[str, Any] | None = None,
+                   keepalive: bool = True) -> dict[str, Any]:
     """Send every prompt as a streamed completion, at most `concurrency` at a time; see the module doc.
     `extra_body` is merged into every request (e.g. a logit_bias against end-of-sequence for a server
-    without `ignore_eos`)."""
+    without `ignore_eos`). keepalive=False opens a connection a request."""
     if len(prompts) != len(max_tokens):
         raise ValueError("give one max_tokens per prompt")
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     cpu = time.process_time()
     out = asyncio.run(_run(url, api_key, model, prompts, max_tokens, concurrency, ignore_eos=ignore_eos,
-                           timeout_s=timeout_s, temperature=temperature, extra_body=extra_body))
+                           timeout_s=timeout_s, temperature=temperature, extra_body=extra_body,
+                           keepalive=keepalive))
     cpu = time.process_time() - cpu
     chunks = out.pop("_chunks")
     out["client_cpu_s"] = cpu
     out["client_cpu_us_per_chunk"] = cpu / chunks * 1e6 if chunks else None
+    out["keepalive"] = keepalive
     return out

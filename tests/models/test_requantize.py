@@ -17,6 +17,12 @@ from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "requantize.py"
 
 
+def _fields(path: Path) -> dict[str, object]:
+    from gguf import GGUFReader
+
+    return {f.name: f.contents() for f in GGUFReader(str(path)).fields.values() if not f.name.startswith("GGUF.")}
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
 
@@ -29,7 +35,10 @@ def test_a_copy_in_another_format_is_the_same_model_within_its_rounding(tmp_path
     assert r.returncode == 0, r.stderr
     a, b = load_gguf(src), load_gguf(out)
     assert b.hparams == a.hparams
-    assert b.metadata == a.metadata
+    fa, fb = _fields(src), _fields(out)  # every metadata key (the tokenizer's arrays, the chat template)
+    assert fb.pop("general.file_type") == {"Q8_0": 7, "Q4_0": 2}[target]
+    fa.pop("general.file_type", None)
+    assert fb == fa
     assert set(b.raw) == set(a.raw)
     for name, ra in a.raw.items():
         rb = b.raw[name]
@@ -47,6 +56,15 @@ def test_a_copy_in_another_format_is_the_same_model_within_its_rounding(tmp_path
         step = np.abs(blocks_a).max(axis=1, keepdims=True) / qmax
         err = np.abs(wb.reshape(-1, 32) - blocks_a)
         assert (err <= step * (rounding + qmax * 2.0**-11) + 1e-7).all(), name
+
+
+def test_a_file_with_nothing_quantized_is_refused_in_a_sentence(tmp_path):
+    src = write_tiny_llama(tmp_path / "src.gguf", TinySpec(layers=2, seed=3, qtype="F16"))
+    out = tmp_path / "copy.gguf"
+    r = _run("--model", str(src), "--type", "Q8_0", str(out))
+    assert r.returncode == 2
+    assert "no quantized tensor" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
 
 
 def test_the_copy_refuses_to_overwrite_its_source(tmp_path):
