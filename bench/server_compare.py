@@ -1,5 +1,6 @@
 """isolab's server beside llama.cpp's servers: the same GGUF, the same streamed workload over HTTP,
-one server at a time on this machine. Prints a table and writes bench/results/server_compare.json.
+one server at a time on this machine. Prints a table and writes bench/results/server_compare_peers.json
+(bench/results/server_compare.json is the first version's run, against llama-cpp-python only).
 
     .venv/bin/python bench/server_compare.py [--concurrency 1,32,128] [--requests N] [--max-tokens 128]
                                              [--prompt-words LO:HI] [--model PATH] [--llama-server PATH]
@@ -182,7 +183,7 @@ def main() -> int:
     p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server: KV tokens a slot (x C in all)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, ~/.cache)")
     p.add_argument("--skip", default="", help="comma-separated peers to leave out: llama-server, llama-cpp-python")
-    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "server_compare.json")
+    p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "server_compare_peers.json")
     args = p.parse_args()
     try:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
