@@ -21,11 +21,12 @@ def test_percentiles():
     assert p["p50"] == pytest.approx(50.5) and p["p90"] == pytest.approx(90.1) and p["mean"] == pytest.approx(50.5)
 
 
-def test_run_http_bench_counts_every_token(server_factory, tiny_bundle):
+@pytest.mark.parametrize("keepalive", [True, False])  # False: a connection a request (server_compare)
+def test_run_http_bench_counts_every_token(server_factory, tiny_bundle, keepalive):
     srv = server_factory(tiny_bundle, tenants=TenantRegistry({"sk-b": "bench"}))
     prompts = [f"prompt {i}" for i in range(6)]
-    r = run_http_bench(srv.url + "/v1", "sk-b", None, prompts, [8, 8, 8, 5, 5, 5], 3)
-    assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == []
+    r = run_http_bench(srv.url + "/v1", "sk-b", None, prompts, [8, 8, 8, 5, 5, 5], 3, keepalive=keepalive)
+    assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == [] and r["keepalive"] is keepalive
     assert r["output_tokens"] == 39 and r["tokens_counted_from"] == "usage"
     assert r["model"] == model_slug(srv.engine.bundle.path.stem) and r["output_tokens_per_s"] > 0
     assert r["ttft_s"]["p50"] is not None and r["e2e_s"]["p99"] >= r["ttft_s"]["p99"]
