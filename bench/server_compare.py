@@ -12,7 +12,8 @@ Peers, each skipped with a sentence when it is not here:
   --slot-ctx tokens of KV (its default when --parallel is given: with one unified buffer,
   --kv-unified, its log showed 4.7 s a step at 128 slots here), --threads and --threads-batch as
   given, and `--no-repack` (its AMX repacking crashes on Intel VMs with AMX; on x86 its repacking
-  covers Q4_0, IQ4_NL, Q4_K, MXFP4 and Q2_K only); requests carry `ignore_eos`.
+  covers Q4_0, IQ4_NL, Q4_K, MXFP4 and Q2_K only; --llama-repack lets it repack, on a CPU without
+  AMX); requests carry `ignore_eos`.
 - llama-cpp-python's server (`python -m llama_cpp.server`), with --interrupt_requests False: by
   default a new request cuts off the one being streamed, which would count as "done" after a token
   or two. It serves one request at a time, so it runs at 1 client and at the smallest concurrency
@@ -181,6 +182,8 @@ def main() -> int:
                    help="LO:HI random-word prompts as `isolab bench` sends (default: short essay prompts)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     p.add_argument("--slot-ctx", type=int, default=1024, help="llama-server: KV tokens a slot (x C in all)")
+    p.add_argument("--llama-repack", action="store_true",
+                   help="let llama-server repack weights (drop --no-repack; its AMX repacking crashes on Intel VMs)")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: $LLAMA_SERVER, ~/.cache)")
     p.add_argument("--skip", default="", help="comma-separated peers to leave out: llama-server, llama-cpp-python")
     p.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "server_compare_peers.json")
@@ -231,7 +234,8 @@ def main() -> int:
                 results += measure("llama-server", [str(binary), "--model", str(gguf), "--host", "127.0.0.1",
                                                     "--port", str(port), "--parallel", str(c),
                                                     "--ctx-size", str(c * args.slot_ctx), "--threads", str(args.threads),
-                                                    "--threads-batch", str(args.threads), "--no-repack", "--no-webui"],
+                                                    "--threads-batch", str(args.threads), "--no-webui",
+                                                    *(() if args.llama_repack else ("--no-repack",))],
                                    port, [load(c)], log_dir, {"ignore_eos": True})
         except DidNotStart as exc:
             skipped["llama-server"] = str(exc)
