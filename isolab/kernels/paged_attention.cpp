@@ -758,24 +758,11 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                              scale, Lpad);
         } else {
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)(by_units ? UNIT : 1) * G * Lpad);
-        // (row, KV head) tasks from a shared counter, each thread claiming its next task one ahead
-        // while many are left, so the kernel knows the next one and can prefetch its keys
-        auto one = [&](long task) {
-            const int n = (int)(task / Hkv), h = (int)(task % Hkv);
+        auto alone = [&](int n, int h) {  // row n, KV head h
             const T* qr = q + n * qs + (long)h * G * Dh;
             T* orow = out + ((long)n * H + (long)h * G) * Dh;
             const int32_t* table = tables + (long)row_table[n] * table_len;
             const int L = q_pos[n] + 1;
-            if (by_units && unit[n] != 1) {  // 0: another task's unit holds this row
-                if (unit[n] == 0) return;
-                int Ls[UNIT];
-                for (int r = 0; r < UNIT; r++) Ls[r] = L + r;
-                window_start = 0;
-                if constexpr (sizeof(T) == 2)
-                    if (attend_unit(G, (const uint16_t*)qr, qs, (const uint16_t*)kplane, (const uint16_t*)vplane, table,
-                                    Ls, NB, h, scale, (uint16_t*)orow, (long)H * Dh, sc, Lpad))
-                        return;
-            }
             window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
                 return;
@@ -785,6 +772,23 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                 attend_row<T, 16>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
             else
                 attend_row<T, 0>(qr, kplane, vplane, table, L, NB, bs, Dh, G, h, scale, orow, sc, Lpad);
+        };
+        // (row, KV head) tasks (at a unit's first row, the unit's) from a shared counter, each thread
+        // claiming its next task one ahead while many are left, so the kernel knows the next one and
+        // can prefetch its keys
+        auto one = [&](long task) {
+            const int n = (int)(task / Hkv), h = (int)(task % Hkv);
+            if (!by_units || unit[n] == 1) return alone(n, h);
+            if (unit[n] == 0) return;  // another task's unit holds this row
+            if constexpr (sizeof(T) == 2) {
+                int Ls[UNIT];
+                for (int r = 0; r < UNIT; r++) Ls[r] = q_pos[n] + 1 + r;
+                if (attend_unit(G, (const uint16_t*)(q + n * qs + (long)h * G * Dh), qs, (const uint16_t*)kplane,
+                                (const uint16_t*)vplane, tables + (long)row_table[n] * table_len, Ls, NB, h, scale,
+                                (uint16_t*)(out + ((long)n * H + (long)h * G) * Dh), (long)H * Dh, sc, Lpad))
+                    return;
+            }
+            for (int r = 0; r < UNIT; r++) alone(n + r, h);  // no unit kernel for this G: every row of it alone
         };
         // Claiming ahead holds a task back from the other threads, so it stops once few are left
         // (a thread would otherwise take two of the last tasks while another has none).
