@@ -4,7 +4,10 @@
 
 Stages: Python, torch, the server's libraries (transformers, llguidance, FastAPI, isolab.server),
 the GGUF read, the tokenizer, the model (weights packed, file pages and heap temporaries handed
-back, as load_bundle does), and the tensors the model holds by kind.
+back, as load_bundle does), then what `isolab serve` builds over it with its default settings:
+the engine (its KV pool is mapped, not touched), structured outputs' compiler (llguidance's own
+tokenizer over the vocabulary), the app, and the heap trimmed as `isolab serve` trims it before
+listening. Also the tensors the model holds by kind.
 """
 
 from __future__ import annotations
@@ -47,12 +50,29 @@ def main() -> int:
     path = resolve_model_path(args.model)
     loaded = load_gguf(path)
     stages["GGUF read"] = rss_mib()
-    Tokenizer(path, loaded.fingerprint, family_template(loaded.hparams.arch))
+    tokenizer = Tokenizer(path, loaded.fingerprint, family_template(loaded.hparams.arch))
     stages["tokenizer"] = rss_mib()
     model = LlamaModel(loaded, "bf16", "cpu", weights="native")
     loaded.release_pages()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     stages["model"] = rss_mib()
+    from isolab.cli import build_parser
+    from isolab.commands.serve import engine_config
+    from isolab.engine.llm_engine import LLMEngine
+    from isolab.models.bundle import ModelBundle
+    from isolab.server import ServerConfig, create_app, load_registry
+
+    bundle = ModelBundle(path, str(loaded.metadata.get("general.name") or path.stem), loaded.hparams, model,
+                         tokenizer, loaded.fingerprint, "bf16", "native")
+    serve_args = build_parser().parse_args(["serve", "--no-auth", "--model", str(path)])
+    engine = LLMEngine(engine_config(serve_args), bundle)
+    stages["engine"] = rss_mib()
+    engine.grammars  # noqa: B018 (built on first use; create_app builds it before the engine thread starts)
+    stages["structured outputs"] = rss_mib()
+    create_app(engine, load_registry(None, no_auth=True), ServerConfig())
+    stages["app"] = rss_mib()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    stages["trimmed"] = rss_mib()
 
     def mb(tensors) -> float:
         return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)

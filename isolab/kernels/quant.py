@@ -108,7 +108,9 @@ def record_bytes(fmt: int, fp16: bool) -> int:
 
 
 def pack(u: Unpacked) -> torch.Tensor:
-    """-> uint8 (panels, K/32, record) as qgemm.cpp reads it; N padded to 16 with zero records."""
+    """-> uint8 (panels, K/32, record) as qgemm.cpp reads it; N padded to 16 with zero records.
+    Each part is written once, straight into the records (a vocabulary head is 168M weights in
+    Gemma 3: no temporaries of its size)."""
     n, k = u.q.shape
     nb, p = k // QK, -(-n // PANEL)
     pad = p * PANEL - n
@@ -116,27 +118,37 @@ def pack(u: Unpacked) -> torch.Tensor:
     def padded(a: np.ndarray) -> np.ndarray:
         return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
 
-    q = padded(u.q)
     fp16 = u.d.dtype == np.float16
-    if u.fmt == U4:
+    rec = np.empty((p, nb, record_bytes(u.fmt, fp16)), np.uint8)
+    body_bytes = 256 if u.fmt == U4 else 512
+
+    def part(start: int, shape: tuple[int, ...]) -> np.ndarray:  # a view of each record's bytes from start
+        view = rec[..., start:start + int(np.prod(shape))].reshape(p, nb, *shape)
+        assert np.shares_memory(view, rec)
+        return view
+
+    q = padded(u.q)
+    if u.fmt == U4:  # byte i of chunk c of column j: k's 8c + i (low nibble) and 8c + 4 + i (high)
         q = q.reshape(p, PANEL, nb, 4, 8)  # (panel, j, b, chunk, 8 k's)
-        byte = q[..., :4] | (q[..., 4:] << 4)  # (p, j, b, c, i)
-        body = byte.transpose(0, 2, 3, 1, 4).reshape(p, nb, 256)
-    else:
-        q = (q.astype(np.int16) + 128).astype(np.uint8).reshape(p, PANEL, nb, 8, 4)
-        body = q.transpose(0, 2, 3, 1, 4).reshape(p, nb, 512)
+        byte = q[..., :4] | (q[..., 4:] << 4)
+        part(0, (4, PANEL, 4))[...] = byte.transpose(0, 2, 3, 1, 4)  # (panel, b, chunk, j, 4)
+    else:  # q + 128 as a byte (two's complement: the sign bit flipped), 4 k's of one column together
+        assert q.dtype == np.int8
+        q = q.view(np.uint8).reshape(p, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # (panel, b, 8, j, 4 k's)
+        np.bitwise_xor(q, np.uint8(0x80), out=part(0, (8, PANEL, 4)))
     groups = QK // u.group
 
     def scales(a: np.ndarray) -> np.ndarray:  # (N, nb * groups) -> (p, nb, groups * 16 * itemsize) bytes
         a = padded(a).reshape(p, PANEL, nb, groups).transpose(0, 2, 3, 1)
         return np.ascontiguousarray(a).view(np.uint8).reshape(p, nb, -1)
 
-    parts = [body, scales(u.d)]
-    if u.mn is not None:
-        parts.append(scales(u.mn.astype(u.d.dtype)))
-    rec = np.concatenate(parts, axis=-1)
-    assert rec.shape[-1] == record_bytes(u.fmt, fp16)
-    return torch.from_numpy(np.ascontiguousarray(rec))
+    at = body_bytes
+    for a in (u.d, *(() if u.mn is None else (u.mn.astype(u.d.dtype),))):
+        b = scales(a)
+        rec[..., at:at + b.shape[-1]] = b
+        at += b.shape[-1]
+    assert at == rec.shape[-1]
+    return torch.from_numpy(rec)
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

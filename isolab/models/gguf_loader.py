@@ -8,6 +8,7 @@ Every failure a user can cause becomes ModelLoadError / UnsupportedModelError wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import mmap
 from collections.abc import Mapping
@@ -158,9 +159,59 @@ def reverse_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _open_reader(path: Path):
-    from gguf import GGUFReader
+@functools.lru_cache(maxsize=1)
+def _reader_class():
+    """gguf's GGUFReader, minus the parse of what isolab never reads (built on first use: gguf is
+    imported only when a model is loaded)."""
+    import struct
 
+    from gguf import GGUFReader, GGUFValueType
+
+    class MetadataReader(GGUFReader):
+        """GGUFReader with arrays read whole. gguf's own parse makes a numpy view of every array
+        element: for SmolLM2's vocabulary, merges and token types about a million views, which took
+        most of a model's load and ~160 MiB at its peak (`python bench/gguf_read.py`). Here:
+        - an array of numbers is one view of the file (its contents() the same list as gguf's);
+        - an array of strings (the tokenizer's vocabulary and merges: models/tokenizer.py takes them
+          from transformers) is stepped over: its length stays among its parts (`array_len`), its
+          contents() is empty;
+        - anything else (nested arrays, a byte-swapped file) is gguf's own parse."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs = orig_offs + 12
+            itype = GGUFValueType(raw_itype[0])
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(offs, nptype, alen[0])
+                if len(values) != int(alen[0]):
+                    raise ValueError(f"an array of {int(alen[0])} values runs past the end of the file")
+                return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, itype]
+            if itype != GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            buf = memoryview(self.data)  # type: ignore[arg-type]  # (numpy arrays are buffers)
+            for _ in range(int(alen[0])):
+                (slen,) = struct.unpack_from("<Q", buf, offs)
+                offs += 8 + slen
+            if offs > len(buf):
+                raise ValueError(f"an array of {int(alen[0])} strings runs past the end of the file")
+            return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
+
+    return MetadataReader
+
+
+def array_len(reader, key: str) -> int | None:
+    """The length of an array field (also of the string arrays MetadataReader steps over)."""
+    field = reader.fields.get(key)
+    if field is None or not field.types or field.types[0].name != "ARRAY":
+        return None
+    return int(field.parts[4][0])  # the parts: key length, key, value type, element type, length, ...
+
+
+def _open_reader(path: Path):
     if not path.exists():
         raise ModelLoadError(f"model file {str(path)!r} does not exist")
     if not path.is_file():
@@ -170,7 +221,7 @@ def _open_reader(path: Path):
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{str(path)!r} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
     try:
-        return GGUFReader(str(path))
+        return _reader_class()(str(path))
     except Exception as exc:
         raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
 
@@ -191,8 +242,7 @@ def read_hparams(reader) -> LlamaHParams:
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    vocab = _field(reader, f"{arch}.vocab_size", array_len(reader, "tokenizer.ggml.tokens"))
     if vocab is None:
         raise ModelLoadError("the GGUF file has neither llama.vocab_size nor a token list")
     return LlamaHParams(

@@ -78,3 +78,70 @@ def test_unsupported_tensor_type(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="has type I32, which isolab does not read"):
         load_gguf(p)
+
+
+def _same_as_gguf(path) -> None:
+    """isolab's reader gives gguf's own reading of every field and tensor, except the arrays of
+    strings it steps over, whose length it keeps."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from isolab.models.gguf_loader import _reader_class, array_len
+
+    ref, ours = GGUFReader(str(path)), _reader_class()(str(path))
+    assert list(ours.fields) == list(ref.fields)
+    skipped = 0
+    for key, field in ref.fields.items():
+        assert ours.fields[key].types == field.types, key
+        if field.types[:1] == [GGUFValueType.ARRAY] and field.types[-1] == GGUFValueType.STRING:
+            assert ours.fields[key].contents() == []
+            assert array_len(ours, key) == len(field.contents()), key
+            skipped += 1
+        else:
+            assert ours.fields[key].contents() == field.contents(), key
+            if field.types[:1] == [GGUFValueType.ARRAY]:
+                assert array_len(ours, key) == len(field.contents()), key
+    assert skipped >= 1  # the vocabulary
+    assert ours.data_offset == ref.data_offset and len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape.tolist(), a.data_offset) == (b.name, b.tensor_type, b.shape.tolist(),
+                                                                           b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_reader_matches_gguf_on_a_tiny_model(tmp_path):
+    _same_as_gguf(write_tiny_llama(tmp_path / "m.gguf", TinySpec(qtype="Q4_1")))
+
+
+@pytest.mark.real
+def test_reader_matches_gguf_on_the_shipped_model():
+    from isolab.models.locate import resolve_model_path
+
+    _same_as_gguf(resolve_model_path(None))
+
+
+def test_vocabulary_size_from_the_token_list(f32):
+    from isolab.testing.tiny_model import tiny_vocab
+
+    assert f32.hparams.vocab_size == len(tiny_vocab())  # the tiny file has no llama.vocab_size: the list's length
+
+
+@pytest.mark.parametrize("key,where", [("tokenizer.ggml.tokens", "the token list's first length"),
+                                       ("tokenizer.ggml.tokens", "a token's bytes"),
+                                       ("tokenizer.ggml.tokens", "the last token"),
+                                       ("tokenizer.ggml.token_type", "the last token")])
+def test_truncated_inside_the_vocabulary(tmp_path, key, where):
+    """A file cut inside an array isolab's reader steps over (strings) or reads whole (numbers)."""
+    from gguf import GGUFReader
+
+    good = write_tiny_llama(tmp_path / "m.gguf")
+    field = GGUFReader(str(good)).fields[key]
+    start = [field.offset]  # where each part of the field begins: key length, key, type, element type, count,
+    for part in field.parts:  # then each token's length and bytes
+        start.append(start[-1] + part.nbytes)
+    assert key != "tokenizer.ggml.tokens" or field.parts[6].nbytes > 1  # the first token has bytes to cut into
+    ends = {"the token list's first length": start[5] + 3, "a token's bytes": start[6] + 1,
+            "the last token": start[-1] - 1}
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(good.read_bytes()[: ends[where]])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_gguf(bad)
