@@ -45,7 +45,14 @@ class GrammarCompiler:
         import llguidance.hf
 
         self._ll = llguidance
-        self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
+        backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # what llguidance.hf.from_tokenizer does, without its copy of the Rust tokenizer (made
+            # only to switch padding and truncation off, which ours never has): 1.3 s and a
+            # transient second vocabulary for Gemma 3's 262k tokens
+            self.lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.hf.eos_token_id)
+        else:
+            self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
         self.fingerprint = fingerprint
         self.vocab_size = vocab_size
         self._cache: dict[str, CompiledGrammar] = {}

@@ -124,3 +124,26 @@ def test_constrained_requests_batched_with_others_equal_alone(tiny_bundle):
                                 SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=2,
                                                structured=structured)))
     assert solo_mismatches(tiny_bundle, arrivals, kv_blocks=128) == []
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_grammar_tokenizer_is_llguidances_own_conversion(tiny_bundle, padded):
+    """GrammarCompiler builds llguidance's tokenizer from the backend's JSON without copying it first;
+    it must be what llguidance.hf.from_tokenizer builds (a tokenizer set to pad takes that path)."""
+    import copy
+
+    import llguidance.hf
+
+    from isolab.engine.grammar import GrammarCompiler
+
+    tok = tiny_bundle.tokenizer
+    if padded:
+        tok = copy.copy(tok)
+        tok._tok = copy.deepcopy(tok.hf)
+        tok.hf.backend_tokenizer.enable_padding(length=64)
+    ours = GrammarCompiler(tok, tiny_bundle.hparams.vocab_size, tiny_bundle.fingerprint).lltok
+    ref = llguidance.hf.from_tokenizer(tok.hf, n_vocab=tiny_bundle.hparams.vocab_size)
+    assert (ours.vocab_size, ours.eos_token) == (ref.vocab_size, ref.eos_token)
+    assert all(ours.decode_bytes([i]) == ref.decode_bytes([i]) for i in range(ref.vocab_size))
+    for text in ("Answer in JSON.", '{"k": [1, 2.5e3, "ünï\\u00e9"]}', "  spaces\n\tand tabs"):
+        assert ours.tokenize_str(text) == ref.tokenize_str(text)
