@@ -77,6 +77,8 @@ class EngineConfig:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
         if self.weights not in WEIGHTS:
             raise InvalidRequestError(f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}", field="weights")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError(f"max_model_len must be at least 1, not {self.max_model_len}", field="max_model_len")
         if self.gemm is not None and self.gemm not in GEMMS:
             raise InvalidRequestError(f"gemm must be one of {', '.join(GEMMS)}, not {self.gemm!r}", field="gemm")
         object.__setattr__(self, "faults", Faults.from_names(self.inject_faults))  # validates the names

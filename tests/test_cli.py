@@ -85,6 +85,23 @@ def test_bench_repeats_must_be_positive():
     assert out.returncode == 2 and "need at least 1" in out.stderr
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["bench", "--concurrency", "0"], "--concurrency: '0': need at least 1"),  # it once waited forever
+    (["bench", "--num-requests", "-1"], "need at least 1"),
+    (["bench", "--shared-prefix-len", "-1"], "need 0 or more"),
+    (["bench", "--shared-fraction", "1.5"], "a share between 0 and 1"),
+    (["generate", "hi", "--max-model-len", "0"], "max_model_len must be at least 1"),
+    (["race", "bench", "--repeat", "0"], "--repeat must be at least 1"),  # it once ended in a traceback
+    (["serve", "--no-auth", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more"),
+    (["doctor", "--tie-margin", "nan"], "--tie-margin must be 0 or more"),
+])
+def test_out_of_range_options_get_one_sentence(args, needle):
+    """Refused before any model loads, in one sentence, with exit code 2 (never a hang or a traceback)."""
+    out = isolab(*args, timeout=60)
+    assert out.returncode == 2, out.stderr[-500:]
+    assert needle in out.stderr and "Traceback" not in out.stderr
+
+
 def test_bench_url_refuses_engine_only_options():
     out = isolab("bench", "--url", "http://127.0.0.1:9", "--repeats", "2")
     assert out.returncode == 2 and "--repeats and --compare" in out.stderr and "Traceback" not in out.stderr

@@ -32,6 +32,8 @@ class _Track:
 
 
 def run_engine_bench(engine: LLMEngine, wl: Workload, concurrency: int, *, warmup: bool = True) -> dict:
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")  # else no request is ever admitted
     tok = engine.tokenizer
     prompt_ids = [tok.encode(p) for p in wl.prompts]
     if warmup:  # one short request: first-call costs (allocator, kernels) out of the measurement

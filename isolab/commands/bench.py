@@ -30,15 +30,35 @@ def _positive(text: str) -> int:
     return n
 
 
+def _at_least_zero(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 or more")
+    return n
+
+
+def _share(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: need a share between 0 and 1")
+    return x
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput and latency of the engine (or of any server, with --url)")
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=32)
-    w.add_argument("--concurrency", type=int, default=32)
+    w.add_argument("--num-requests", type=_positive, default=32)
+    w.add_argument("--concurrency", type=_positive, default=32)
     w.add_argument("--prompt-len", type=_range, default=(64, 256), help="prompt words, N or LO:HI (64:256)")
     w.add_argument("--output-len", type=_range, default=(128, 128), help="new tokens, N or LO:HI (128)")
-    w.add_argument("--shared-prefix-len", type=int, default=0, help="words of a shared prefix")
-    w.add_argument("--shared-fraction", type=float, default=0.0, help="share of prompts with the prefix")
+    w.add_argument("--shared-prefix-len", type=_at_least_zero, default=0, help="words of a shared prefix")
+    w.add_argument("--shared-fraction", type=_share, default=0.0, help="share of prompts with the prefix, 0 to 1")
     w.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", choices=["hf"], default=None, help="also run transformers' batched generate")
     p.add_argument("--repeats", type=_positive, default=1,

@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         assert concurrencies and min(concurrencies) >= 1
     except (ValueError, AssertionError):
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
+    if not args.tie_margin >= 0:
+        raise InvalidRequestError(f"--tie-margin must be 0 or more nats, not {args.tie_margin}", field="tie_margin")
     checks = [parse_check(c) for c in args.check]
     items = load_jsonl(args.workload) if args.workload else builtin_workload()
     target: Target

@@ -148,6 +148,8 @@ def _explore(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from isolab.race.bench import run_bench
 
+    if args.repeat < 1:
+        raise InvalidRequestError("--repeat must be at least 1")
     run_bench(args.requests, args.repeat, args.threads, args.json)
     return 0
 

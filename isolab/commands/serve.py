@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     from isolab.server import ServerConfig, create_app, load_registry
 
     # Keys and limits first: a misconfigured server refuses before spending seconds on the model.
+    if not args.drain_timeout >= 0:
+        from isolab.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--drain-timeout must be 0 or more seconds, not {args.drain_timeout}",
+                                  field="drain_timeout")
     tenants = load_registry(args.api_keys, no_auth=args.no_auth)
     config = ServerConfig(
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
