@@ -61,6 +61,41 @@ def api_error(exc: InvalidRequestError | RequestAborted | EngineUnavailable) -> 
     return ApiError(400, str(exc), param=exc.field, code=code)
 
 
+# pydantic's errors where a value had the wrong kind altogether; any other (a bound, a literal) says more
+_TYPE_MISMATCH = ("_type", "missing")
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union an error is about in its loc ('str', 'list[int]')."""
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS or part.startswith(("function-", "constrained-")))
+
+
+def validation_error(errors: list[Any]) -> ApiError:
+    """One 400 for a body that does not validate: the error that says most about the first field at
+    fault (where a value fits none of a union's forms, the one that got deepest into a form over a
+    bare 'not a string'), its path without pydantic's union tags as `param`."""
+    if not errors:
+        return ApiError(400, "the body is not valid")
+    first = errors[0]
+    refused = (first.get("ctx") or {}).get("error")
+    if isinstance(refused, RefusedField):
+        return ApiError(400, str(refused), param=refused.name)
+    kind = str(first.get("type", ""))
+    if kind == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', 'a decode error')})")
+    if tuple(first.get("loc", ())) == ("body",):
+        return ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json")
+    field = first.get("loc", ("body",))[:2]
+    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(field)]
+    best = min(same, key=lambda e: (str(e.get("type", "")).endswith(_TYPE_MISMATCH), -len(e.get("loc", ()))))
+    param = ".".join(str(x) for x in best.get("loc", ()) if x != "body" and not _is_union_tag(x)) or None
+    if best.get("type") == "none_required":
+        return ApiError(400, f"{param} is not supported", param=param)
+    msg = str(best.get("msg", "invalid"))
+    return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Every error the app raises, FastAPI's own included, answers in the OpenAI shape."""
 
@@ -71,20 +106,18 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         # 400, as OpenAI answers a body that does not validate (not FastAPI's 422)
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        refused = (first.get("ctx") or {}).get("error")
-        if isinstance(refused, RefusedField):
-            return ApiError(400, str(refused), param=refused.name).response()
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "the body is not valid"))
-        return ApiError(400, msg, param=param).response()
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no such route (not a missing model: that says so)
+            served = sorted({r.path for r in app.routes if getattr(r, "path", "").startswith("/v1/")})
+            message = f"{request.url.path} is not served here; this server serves {', '.join(served)}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:

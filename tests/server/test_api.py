@@ -169,7 +169,10 @@ def test_unknown_model_and_route_are_404(srv):
     with pytest.raises(openai.NotFoundError) as e:
         srv.client().completions.create(model="gpt-17", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
-    _assert_openai_error(httpx.get(srv.url + "/v1/nothing", headers={"Authorization": "Bearer sk-alice"}), 404)
+    err = _assert_openai_error(httpx.get(srv.url + "/v1/nothing", headers={"Authorization": "Bearer sk-alice"}), 404)
+    assert err["message"].startswith("/v1/nothing is not served here; this server serves ") and "/v1/chat/completions" in err["message"]
+    err = _assert_openai_error(httpx.get(srv.url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-alice"}), 405)
+    assert err["message"] == "GET is not allowed on /v1/chat/completions"
 
 
 def test_limits(srv):
@@ -192,6 +195,26 @@ def test_limits(srv):
     _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"x": 5}}), 400, "logit_bias")
     _assert_openai_error(httpx.post(url, headers=h, json={"prompt": "a", "logit_bias": {"99999999": 5}}), 400,
                          "logit_bias")
+
+
+@pytest.mark.parametrize("path,body,content_type,message,param", [
+    # a value that fits none of a union's forms: the form it got furthest into speaks, not 'not a string'
+    ("/completions", {"prompt": [1, -2]}, None, "prompt.1: Input should be greater than or equal to 0", "prompt.1"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     None, "messages.0.content.0.type: Input should be 'text'", "messages.0.content.0.type"),
+    ("/completions", {"prompt": "a", "suffix": "end"}, None, "suffix is not supported", "suffix"),
+    ("/completions", b"{not json", "application/json", "the body is not valid JSON (", None),
+    ("/completions", b'{"prompt": "a"}', "text/plain", "the body must be a JSON object, sent with Content-Type", None),
+    ("/chat/completions", b"[1, 2]", "application/json", "the body must be a JSON object", None),
+])
+def test_a_body_that_does_not_validate_says_what_is_wrong(srv, path, body, content_type, message, param):
+    h = {"Authorization": "Bearer sk-alice"}
+    if isinstance(body, dict):
+        r = httpx.post(srv.base_url + path, headers=h, json={"max_tokens": 2, **body})
+    else:
+        r = httpx.post(srv.base_url + path, headers={**h, "Content-Type": content_type}, content=body)
+    err = _assert_openai_error(r, 400)
+    assert err["message"].startswith(message) and err["param"] == param, err
 
 
 def test_engine_context_limit_is_400(server_factory, tiny_bundle):
