@@ -113,7 +113,7 @@ def install_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":  # no such route (not a missing model: that says so)
-            served = sorted({r.path for r in app.routes if getattr(r, "path", "").startswith("/v1/")})
+            served = sorted({p for r in app.routes if (p := getattr(r, "path", "")) and not p.startswith(("/docs", "/redoc", "/openapi"))})
             message = f"{request.url.path} is not served here; this server serves {', '.join(served)}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
