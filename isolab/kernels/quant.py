@@ -124,7 +124,7 @@ def pack(u: Unpacked) -> torch.Tensor:
 
     def part(start: int, shape: tuple[int, ...]) -> np.ndarray:  # a view of each record's bytes from start
         view = rec[..., start:start + int(np.prod(shape))].reshape(p, nb, *shape)
-        assert np.shares_memory(view, rec)
+        assert np.may_share_memory(view, rec)  # a view, not a copy (writes must land in rec)
         return view
 
     q = padded(u.q)

@@ -72,8 +72,8 @@ def _is_union_tag(part: object) -> bool:
 
 
 def validation_error(errors: list[Any]) -> ApiError:
-    """One 400 for a body that does not validate: the error that says most about the first field at
-    fault (where a value fits none of a union's forms, the one that got deepest into a form over a
+    """One 400 for a body that does not validate: the error that says most about the first value at
+    fault (where it fits none of a union's forms, the error of the form it got deepest into, over a
     bare 'not a string'), its path without pydantic's union tags as `param`."""
     if not errors:
         return ApiError(400, "the body is not valid")
@@ -86,8 +86,9 @@ def validation_error(errors: list[Any]) -> ApiError:
         return ApiError(400, f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', 'a decode error')})")
     if tuple(first.get("loc", ())) == ("body",):
         return ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json")
-    field = first.get("loc", ("body",))[:2]
-    same = [e for e in errors if tuple(e.get("loc", ()))[:2] == tuple(field)]
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, x in enumerate(loc) if _is_union_tag(x)), len(loc))  # the value at fault ends here
+    same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == loc[:cut]]
     best = min(same, key=lambda e: (str(e.get("type", "")).endswith(_TYPE_MISMATCH), -len(e.get("loc", ()))))
     param = ".".join(str(x) for x in best.get("loc", ()) if x != "body" and not _is_union_tag(x)) or None
     if best.get("type") == "none_required":

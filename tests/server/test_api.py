@@ -203,6 +203,10 @@ def test_limits(srv):
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      None, "messages.0.content.0.type: Input should be 'text'", "messages.0.content.0.type"),
     ("/completions", {"prompt": "a", "suffix": "end"}, None, "suffix is not supported", "suffix"),
+    # the first value at fault speaks, not a deeper error in a later message
+    ("/chat/completions", {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": 5},
+                                        {"role": "user", "content": [{"type": "image_url"}]}]},
+     None, "messages.1.content: Input should be a valid string", "messages.1.content"),
     ("/completions", b"{not json", "application/json", "the body is not valid JSON (", None),
     ("/completions", b'{"prompt": "a"}', "text/plain", "the body must be a JSON object, sent with Content-Type", None),
     ("/chat/completions", b"[1, 2]", "application/json", "the body must be a JSON object", None),
