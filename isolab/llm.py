@@ -71,7 +71,10 @@ class LLM:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty: send some text", field="prompt")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        if isinstance(prompt, Sequence):
+            return list(prompt)  # the engine checks the ids
+        raise InvalidRequestError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}",
+                                  field="prompt")
 
     def generate(
         self,
@@ -81,7 +84,10 @@ class LLM:
         cache_scope: str | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)):
+        if not isinstance(prompts, Sequence):
+            raise InvalidRequestError("prompts are text, token ids, or a list of either, not "
+                                      f"{type(prompts).__name__}", field="prompt")
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -96,6 +102,9 @@ class LLM:
         *,
         cache_scope: str | None = None,
     ) -> list[CompletionOutput]:
+        if isinstance(conversations, str) or not isinstance(conversations, Sequence):
+            raise InvalidRequestError("chat takes a conversation (a list of {'role', 'content'} messages) or a list "
+                                      f"of them, not {type(conversations).__name__}", field="messages")
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
         ids = [self.tokenizer.apply_chat_template(list(c)) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, params, cache_scope, None)
@@ -109,7 +118,13 @@ class LLM:
     ) -> list[CompletionOutput]:
         if params is None:
             params = SamplingParams()
-        plist = [params] * len(prompt_ids) if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, SamplingParams):
+            plist = [params] * len(prompt_ids)
+        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
+            plist = list(params)
+        else:
+            raise InvalidRequestError(f"params are a SamplingParams, or one per prompt, not {type(params).__name__}",
+                                      field="params")
         if len(plist) != len(prompt_ids):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", field="params")
         ids = [f"gen-{next(self._ids)}" for _ in prompt_ids]

@@ -120,7 +120,7 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: together more than the "
+                f"the prompt has {n} token{'s' * (n != 1)} and max_tokens is {params.max_tokens}: together more than the "
                 f"context of {self.max_model_len} tokens",
                 field="prompt",
             )
