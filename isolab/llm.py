@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, build_engine_config
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
@@ -72,7 +73,7 @@ class LLM:
                 raise InvalidRequestError("the prompt is empty: send some text", field="prompt")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, Sequence):
-            return list(prompt)  # the engine checks the ids
+            return list(cast("Sequence[int]", prompt))  # (not a str: above) the engine checks the ids
         raise InvalidRequestError(f"a prompt is text or a list of token ids, not {type(prompt).__name__}",
                                   field="prompt")
 
