@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -47,12 +48,14 @@ def one_start(tree: Path, model: str | None, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "isolab.cli", "serve", "--port", str(port), "--no-auth", "--log-level", "warning",
            *(["--model", model] if model else [])]
+    log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads could fill and stall the server)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"the server from {tree} exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise SystemExit(f"the server from {tree} exited with {proc.returncode}: {log.read()[-2000:]}")
             if time.perf_counter() - t0 > timeout:
                 raise SystemExit(f"the server from {tree} did not answer /health in {timeout:.0f} s")
             try:
@@ -73,6 +76,7 @@ def one_start(tree: Path, model: str | None, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 def main() -> int:
