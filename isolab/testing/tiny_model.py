@@ -46,6 +46,7 @@ class TinySpec:
     arch: str = "llama"  # or "gemma3": norms after attention and the MLP, q/k norms, a sliding window
     tied: bool = True
     sliding_window: int = 0  # gemma3: the local layers' window (5 of every 6 layers are local)
+    vocab_size_key: bool = True  # write {arch}.vocab_size (else readers take the token list's length, as Gemma's file)
 
 
 def tiny_vocab() -> list[str]:
@@ -54,10 +55,11 @@ def tiny_vocab() -> list[str]:
     return toks
 
 
-def _write_tokenizer(w) -> None:
+def _write_tokenizer(w, vocab_size_key: bool = True) -> None:
     """The byte-level BPE tokenizer and ChatML template, as GGUF metadata."""
     vocab = tiny_vocab()
-    w.add_vocab_size(len(vocab))
+    if vocab_size_key:
+        w.add_vocab_size(len(vocab))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab)
@@ -155,7 +157,7 @@ def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_sliding_window(spec.sliding_window)
         w.add_key_length(hd)
         w.add_value_length(hd)
-    _write_tokenizer(w)
+    _write_tokenizer(w, spec.vocab_size_key)
 
     qtype = getattr(gguf.GGMLQuantizationType, spec.qtype)
 

@@ -119,15 +119,16 @@ def test_reader_matches_gguf_on_the_shipped_model():
     _same_as_gguf(resolve_model_path(None))
 
 
-def test_vocabulary_size_from_the_token_list(f32):
-    """Without llama.vocab_size (as in the tiny file, and many llama.cpp conversions) the vocabulary
-    size is the token list's length, which the reader keeps though it steps over the list."""
+def test_vocabulary_size_from_the_token_list(tmp_path):
+    """Without {arch}.vocab_size (Gemma 3's file has none) the vocabulary size is the token list's
+    length, which the reader keeps though it steps over the list."""
     from gguf import GGUFReader
 
     from isolab.testing.tiny_model import tiny_vocab
 
-    assert "llama.vocab_size" not in GGUFReader(str(f32.path)).fields
-    assert f32.hparams.vocab_size == len(tiny_vocab())
+    path = write_tiny_llama(tmp_path / "m.gguf", TinySpec(vocab_size_key=False))
+    assert "llama.vocab_size" not in GGUFReader(str(path)).fields
+    assert load_gguf(path).hparams.vocab_size == len(tiny_vocab())
 
 
 @pytest.mark.parametrize("key,where", [("tokenizer.ggml.tokens", "the token list's first length"),
