@@ -113,3 +113,23 @@ def test_bad_tool_requests_are_400(srv, body, param):
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_by_max_tokens_is_length_and_never_a_tool_call(srv, choice):
+    """A constrained call that max_tokens cuts off mid-arguments ends with finish_reason `length`
+    and no tool_calls, streamed or not: a client must not run a call whose arguments are not
+    whole (vLLM once reported such a turn as `tool_calls`). The text generated so far is content."""
+    c = srv.client()
+    r = c.chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=6, seed=1)
+    m = r.choices[0]
+    assert m.finish_reason == "length" and not m.message.tool_calls, m
+    assert m.message.content
+    reasons, calls, text = [], [], ""
+    for ch in c.chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=6,
+                                        seed=1, stream=True):
+        for d in ch.choices:
+            reasons.append(d.finish_reason)
+            calls += d.delta.tool_calls or []
+            text += d.delta.content or ""
+    assert reasons[-1] == "length" and not calls and text == m.message.content
