@@ -80,9 +80,9 @@ def main() -> int:
     print(f"{path.name}: parse {g['parse_s']:.3f} s -> {i['parse_s']:.3f} s ({g['parse_s'] / i['parse_s']:.0f}x), "
           f"peak RSS of the parse +{g['peak_rss_added_mib']} -> +{i['peak_rss_added_mib']} MiB; "
           f"a whole load now {i['load_bundle_s']:.2f} s")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?")
-    result = {"model": path.name, "cpu": cpu, "rounds": args.rounds, "median": med, "runs": runs}
+    from isolab.models.invariance import cpu_description
+
+    result = {"model": path.name, "cpu": cpu_description(), "rounds": args.rounds, "median": med, "runs": runs}
     out_path = Path(args.json or ROOT / f"bench/results/gguf_read_{path.stem}.json")
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}")

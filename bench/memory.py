@@ -59,11 +59,10 @@ def main() -> int:
     from isolab.cli import build_parser
     from isolab.commands.serve import engine_config
     from isolab.engine.llm_engine import LLMEngine
-    from isolab.models.bundle import ModelBundle
+    from isolab.models.bundle import assemble
     from isolab.server import ServerConfig, create_app, load_registry
 
-    bundle = ModelBundle(path, str(loaded.metadata.get("general.name") or path.stem), loaded.hparams, model,
-                         tokenizer, loaded.fingerprint, "bf16", "native")
+    bundle = assemble(loaded, model, tokenizer, "bf16", "native")
     serve_args = build_parser().parse_args(["serve", "--no-auth", "--model", str(path)])
     engine = LLMEngine(engine_config(serve_args), bundle)
     stages["engine"] = rss_mib()

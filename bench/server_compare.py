@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import httpx
 from isolab.bench.http_bench import run_http_bench
 from isolab.bench.workload import WorkloadSpec, make_workload
 from isolab.models.locate import resolve_model_path
+from isolab.testing.live_server import free_port
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "owls", "copper", "tea", "glaciers", "violins", "bees",
           "deserts", "clocks", "salt", "comets", "maps", "ferns", "ink", "trains", "coral", "wool",
@@ -78,12 +78,6 @@ def find_llama_server(given: str | None) -> Path | None:
 
     found = sorted(LLAMA_SERVER_CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"), key=version)
     return found[-1] if found else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,13 +26,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from isolab.testing.live_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status_mib(pid: int, key: str) -> float:
@@ -44,7 +39,7 @@ def _status_mib(pid: int, key: str) -> float:
 
 
 def one_start(tree: Path, model: str | None, timeout: float) -> dict:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "isolab.cli", "serve", "--port", str(port), "--no-auth", "--log-level", "warning",
            *(["--model", model] if model else [])]
@@ -110,8 +105,9 @@ def main() -> int:
         print(f"{n}: median ready {m['ready_s']:.2f} s, idle {m['idle_rss_mib']} MiB, peak {m['peak_rss_mib']} MiB")
     commits = {n: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip() for n, t in trees.items()}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "?")
+    from isolab.models.invariance import cpu_description  # (imports torch: after the timed starts)
+
+    cpu = cpu_description()
     out = Path(args.json or ROOT / f"bench/results/server_start_{args.model or 'default'}.json")
     out.write_text(json.dumps({"model": args.model, "cpu": cpu, "trees": {n: str(t) for n, t in trees.items()},
                                "commits": commits, "rounds": args.rounds, "median": median, "runs": runs}, indent=2))

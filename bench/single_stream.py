@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -129,12 +128,6 @@ def worker_llama(gguf: str, threads: int) -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_idle_rss(cmd: list[str], port: int, path: str, timeout: float = 300) -> float | None:
     import httpx
 
@@ -196,6 +189,9 @@ def main() -> int:
                     "llama_cpp_skipped": None if have_llama else "llama_cpp is not installed "
                     "(.venv/bin/pip install 'llama-cpp-python[server]==0.3.36' builds it in about 5 minutes)"}
     if not args.skip_servers:
+        # (imported here: the llama.cpp worker and server import this file, and their RSS is measured)
+        from isolab.testing.live_server import free_port
+
         port = free_port()
         servers = {"isolab serve": server_idle_rss([str(Path(sys.executable).parent / "isolab"), "serve", "--no-auth",
                                                     "--port", str(port), "--model", gguf],

@@ -20,24 +20,22 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: need at least 1")
-    return n
+def _whole(minimum: int):
+    """An argparse type: a whole number of at least `minimum`, else one sentence."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: need at least {minimum}" if minimum else f"{text!r}: need 0 or more")
+        return n
+
+    return parse
 
 
-def _at_least_zero(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 or more")
-    return n
+_positive, _at_least_zero = _whole(1), _whole(0)
 
 
 def _share(text: str) -> float:

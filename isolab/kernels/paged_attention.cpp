@@ -758,10 +758,14 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                              scale, Lpad);
         } else {
         float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)(by_units ? UNIT : 1) * G * Lpad);
+        // row n's queries, output and block table for KV head h
+        auto q_of = [&](int n, int h) { return q + n * qs + (long)h * G * Dh; };
+        auto out_of = [&](int n, int h) { return out + ((long)n * H + (long)h * G) * Dh; };
+        auto table_of = [&](int n) { return tables + (long)row_table[n] * table_len; };
         auto alone = [&](int n, int h) {  // row n, KV head h
-            const T* qr = q + n * qs + (long)h * G * Dh;
-            T* orow = out + ((long)n * H + (long)h * G) * Dh;
-            const int32_t* table = tables + (long)row_table[n] * table_len;
+            const T* qr = q_of(n, h);
+            T* orow = out_of(n, h);
+            const int32_t* table = table_of(n);
             const int L = q_pos[n] + 1;
             window_start = window > 0 && L > window ? L - window : 0;
             if (fast_paths && bs == 16 && Dh == 64 && attend_fast<T>(G, qr, kplane, vplane, table, L, NB, h, scale, orow, sc, Lpad))
@@ -783,9 +787,8 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
             if constexpr (sizeof(T) == 2) {
                 int Ls[UNIT];
                 for (int r = 0; r < UNIT; r++) Ls[r] = q_pos[n] + 1 + r;
-                if (attend_unit(G, (const uint16_t*)(q + n * qs + (long)h * G * Dh), qs, (const uint16_t*)kplane,
-                                (const uint16_t*)vplane, tables + (long)row_table[n] * table_len, Ls, NB, h, scale,
-                                (uint16_t*)(out + ((long)n * H + (long)h * G) * Dh), (long)H * Dh, sc, Lpad))
+                if (attend_unit(G, (const uint16_t*)q_of(n, h), qs, (const uint16_t*)kplane, (const uint16_t*)vplane,
+                                table_of(n), Ls, NB, h, scale, (uint16_t*)out_of(n, h), (long)H * Dh, sc, Lpad))
                     return;
             }
             for (int r = 0; r < UNIT; r++) alone(n + r, h);  // no unit kernel for this G: every row of it alone

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from isolab import kernels
-from isolab.models.gguf_loader import LlamaHParams, load_gguf
+from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, load_gguf
 from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
 from isolab.models.locate import resolve_model_path
@@ -75,8 +75,13 @@ def _load(path: str, dtype: str, device: str, gemm: GemmPath | None, weights: st
     loaded.release_pages()  # the weights now live in the model's own memory
     tokenizer = Tokenizer(Path(path), loaded.fingerprint, family_template(loaded.hparams.arch))
     trim_heap()
-    name = str(loaded.metadata.get("general.name") or Path(path).stem)
-    return ModelBundle(Path(path), name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype, weights)
+    return assemble(loaded, model, tokenizer, dtype, weights)
+
+
+def assemble(loaded: LoadedGGUF, model: LlamaModel, tokenizer: Tokenizer, dtype: str, weights: str) -> ModelBundle:
+    """The bundle of a read file, its model and tokenizer (bench/memory.py builds the parts one by one)."""
+    name = str(loaded.metadata.get("general.name") or loaded.path.stem)
+    return ModelBundle(loaded.path, name, loaded.hparams, model, tokenizer, loaded.fingerprint, dtype, weights)
 
 
 def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | None = None,

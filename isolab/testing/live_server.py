@@ -10,6 +10,13 @@ from typing import Any, Literal
 import uvicorn
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server started in another process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def serve_in_thread(app: Any, *, lifespan: Literal["auto", "on", "off"] = "auto", timeout: float = 60.0) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Start `app`; returns (base URL, server, thread) once it accepts connections.
     Stop it with `server.should_exit = True; thread.join()`."""

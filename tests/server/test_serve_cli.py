@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from isolab.testing.live_server import free_port
+
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "ISOLAB_API_KEYS"}
@@ -22,14 +23,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_refuses_to_start_without_keys():
-    p = subprocess.run([sys.executable, "-m", "isolab.cli", "serve", "--port", str(_free_port())],
+    p = subprocess.run([sys.executable, "-m", "isolab.cli", "serve", "--port", str(free_port())],
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "no API keys configured" in p.stderr and "--no-auth" in p.stderr
@@ -85,7 +80,7 @@ class _Stream(threading.Thread):
 def test_sigterm_drains_running_requests_then_cuts_at_the_timeout(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-test": "t1"}))
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "isolab.cli", "serve", "--api-keys", str(keys), "--port", str(port),
