@@ -9,9 +9,10 @@ threads (the .so links the libgomp that torch has already loaded). Where they ca
 runs its torch path (`LlamaModel.forward`'s torch ops and `attention_core`); `ISOLAB_NATIVE=0`
 forces that path.
 
-ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512|amx`
-builds for a lower level instead (x86-64, x86-64-v3, x86-64-v4, x86-64-v4 with AMX tiles), so
-tests can run every code path this CPU can execute. A level the CPU lacks is refused with a
+ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512|avx512bf16|amx`
+builds for a lower level instead (x86-64, x86-64-v3, x86-64-v4, x86-64-v4 with BF16 dot products
+and VNNI as AMD Zen 4/5 run it, x86-64-v4 with AMX tiles), so tests can run every code path this
+CPU can execute. A level the CPU lacks is refused with a
 sentence.
 
 Every kernel computes each output element in an order fixed by that element's row alone, which is
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
 # the kernels' run-time settings (isolab_<name>(int)): none changes a bit, each is for an A/B or a test
-SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order")
+SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order", "qgemm_amx")
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")  # no silent fma: every ISA level rounds alike
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
@@ -48,8 +49,11 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "generic": (("-march=x86-64",), ()),
     "avx2": (("-march=x86-64-v3",), ("avx2", "fma", "f16c", "bmi2")),
     "avx512": (("-march=x86-64-v4",), ("avx512f", "avx512bw", "avx512dq", "avx512vl")),
-    "amx": (("-march=x86-64-v4", "-mamx-tile", "-mamx-bf16"), ("avx512f", "avx512bw", "avx512dq", "avx512vl",
-                                                              "amx_tile", "amx_bf16")),
+    # what AMD Zen 4/5 run: AVX-512 with BF16 dot products and VNNI, no AMX
+    "avx512bf16": (("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+                   ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni")),
+    "amx": (("-march=x86-64-v4", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            ("avx512f", "avx512bw", "avx512dq", "avx512vl", "amx_tile", "amx_bf16", "amx_int8")),
     "native": (("-march=native",), ()),
 }
 GEMM_PAD_N = 32  # packed weights have N padded to this (the widest tile of any ISA level)
@@ -202,6 +206,14 @@ def qgemm_order(on: bool) -> bool:
     default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
     False without the native kernels."""
     return _set("qgemm_order", on)
+
+
+def qgemm_amx(on: bool) -> bool:
+    """Let tiles of 16 rows of u4 records take AMX-INT8 where this CPU and build have it
+    (the default), or send every row through the vector path (the bench's A/B and the tests'
+    comparison): the integer sums are exact either way, so no bit changes. False without the
+    native kernels."""
+    return _set("qgemm_amx", on)
 
 
 def attention_bf16_dot() -> bool:
@@ -393,8 +405,9 @@ def native_ready() -> bool:
 
 
 def qgemm_isa() -> str:
-    """Which integer path the quantized GEMM runs: avx512vnni, avx2 or generic (qgemm.cpp); the
-    bits are the same on each."""
+    """Which integer path the quantized GEMM runs: amx-int8 (tiles of 16 rows of u4 records, i.e.
+    Q4_0, Q4_1, Q4_K; other rows and records take AVX-512 VNNI), avx512vnni, avx2 or generic
+    (qgemm.cpp); the bits are the same on each."""
     lib = _library()
     return "torch" if lib is None else lib.isolab_qgemm_isa().decode()
 
