@@ -72,7 +72,15 @@ def lost_updates(gadget: str, iterations: int = 20_000, trials: int = 3, stop_at
     with switch_interval(1e-6):
         for _ in range(trials):
             s = SimpleNamespace(x=0)
-            threads = [threading.Thread(target=body, args=(s, iterations)) for _ in range(2)]
+            # both threads wait at the barrier, so neither runs its loop before the other exists (on a
+            # loaded machine the first could otherwise finish before the second was scheduled)
+            start = threading.Barrier(2)
+
+            def run(s: SimpleNamespace = s, start: threading.Barrier = start) -> None:
+                start.wait()
+                body(s, iterations)
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
