@@ -5,14 +5,10 @@ model's (native records against the same tensors dequantized to bf16), hot in ca
     .venv/bin/python bench/qgemm.py [--model gemma3-270m] [--json bench/results/qgemm.json]
     .venv/bin/python bench/qgemm.py --order-ab [--json bench/results/qgemm_order.json]
 
-    .venv/bin/python bench/qgemm.py --amx-ab [--json bench/results/qgemm_amx.json]
-
 --order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512: its default (big weights
 group by group, the next task's panels prefetched) against chunk by chunk with no prefetch
 (kernels.qgemm_order), calls alternating, median ms of each. Here each weight is hot in cache
 after the first call; in a decode step it comes from memory (step_profile.py --paired-order-ab).
---amx-ab: the same A/B for tiles of 16 rows on AMX-INT8 (the default where the CPU has it) against
-every row on the vector path (kernels.qgemm_amx); the same bits either way.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import torch
 
 from isolab import kernels
 from isolab.models.bundle import load_bundle
-from isolab.models.invariance import cpu_description
 from isolab.models.linear import QuantWeight
 
 
@@ -46,18 +41,10 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--order-ab", action="store_true")
-    ap.add_argument("--amx-ab", action="store_true")
     args = ap.parse_args()
     m = load_bundle(args.model, "bf16", weights="native").model
     if args.order_ab:
-        return setting_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"), kernels.qgemm_order,
-                          ("chunk_by_chunk", "default"))
-    if args.amx_ab:
-        if kernels.qgemm_isa() != "amx-int8":
-            print(f"--amx-ab needs AMX-INT8; the quantized GEMM here runs {kernels.qgemm_isa()}")
-            return 2
-        return setting_ab(m, args.model, Path(args.json or "bench/results/qgemm_amx.json"), kernels.qgemm_amx,
-                          ("vector", "amx_int8"))
+        return order_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"))
     layer = m.layers[0]
     rows = []
     for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
@@ -84,8 +71,7 @@ def main() -> int:
     return 0
 
 
-def setting_ab(m, model: str | None, target: Path, setting, labels: tuple[str, str]) -> int:
-    """setting(False) against setting(True), calls alternating; labels name the two in the JSON."""
+def order_ab(m, model: str | None, target: Path) -> int:
     layer = m.layers[0]
     rows = []
     try:
@@ -100,21 +86,21 @@ def setting_ab(m, model: str | None, target: Path, setting, labels: tuple[str, s
                 ms: dict[bool, list[float]] = {False: [], True: []}
                 for i in range(2 * reps + 2):
                     on = i % 2 == 1
-                    setting(on)
+                    kernels.qgemm_order(on)
                     t = time.perf_counter()
                     w(x)
                     if i >= 2:  # one warm call each
                         ms[on].append((time.perf_counter() - t) * 1e3)
                 off, on_ = statistics.median(ms[False]), statistics.median(ms[True])
                 rows.append({"weight": name, "format": w.qtype, "n": w.n, "k": k, "m": mm, "calls_each": reps,
-                             f"{labels[0]}_ms": round(off, 4), f"{labels[1]}_ms": round(on_, 4),
+                             "chunk_by_chunk_ms": round(off, 4), "default_ms": round(on_, 4),
                              "saving": round(1 - on_ / off, 4)})
-                print(f"{name:10s} {w.qtype:6s} {w.n:6d}x{k:<5d} M={mm:<4d} {labels[0]} {off:8.3f} ms  "
-                      f"{labels[1]} {on_:8.3f} ms  {1 - on_ / off:+6.1%}", flush=True)
+                print(f"{name:10s} {w.qtype:6s} {w.n:6d}x{k:<5d} M={mm:<4d} chunk by chunk {off:8.3f} ms  "
+                      f"default {on_:8.3f} ms  {1 - on_ / off:+6.1%}", flush=True)
     finally:
-        setting(True)
+        kernels.qgemm_order(True)
     out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
-           "qgemm_isa": kernels.qgemm_isa(), "cpu": cpu_description(), "rows": rows}
+           "qgemm_isa": kernels.qgemm_isa(), "rows": rows}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")

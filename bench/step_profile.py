@@ -12,7 +12,7 @@ forward), so each timed step is followed by an untimed one, as the engine runs i
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
         [--weights native] [--attention-prefetch 0,2 --rounds 3] [--paired-prefetch-ab 60]
-        [--paired-order-ab 60] [--paired-amx-ab 60]
+        [--paired-order-ab 60]
 
 Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
 """
@@ -140,9 +140,6 @@ def main() -> int:
     ap.add_argument("--paired-order-ab", type=int, default=0, metavar="STEPS",
                     help="instead of profiling: STEPS untimed steps with the quantized GEMM's big-weight task order "
                          "and prefetch off and on, switched every step (writes step_profile_qgemm_order_paired.json)")
-    ap.add_argument("--paired-amx-ab", type=int, default=0, metavar="STEPS",
-                    help="instead of profiling: STEPS untimed steps with the quantized GEMM's AMX-INT8 tiles off and "
-                         "on, switched every step (writes step_profile_qgemm_amx_paired.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
@@ -155,16 +152,11 @@ def main() -> int:
     if args.paired_order_ab and (bundle.weights != "native" or not kernels.qgemm_order(True)):
         print("--paired-order-ab: the task order is the quantized GEMM's, which runs with native weights only")
         return 2
-    if args.paired_amx_ab and (bundle.weights != "native" or kernels.qgemm_isa() != "amx-int8"):
-        print("--paired-amx-ab: needs native weights and a CPU whose quantized GEMM runs AMX-INT8; here it runs "
-              f"{kernels.qgemm_isa()} with {bundle.weights} weights")
-        return 2
     for steps, switch, name, what in (
             (args.paired_prefetch_ab, lambda on: kernels.attention_prefetch(2 if on else 0), "prefetch",
              "attention prefetch 0 / 2"),
             (args.paired_order_ab, kernels.qgemm_order, "qgemm_order",
-             "qgemm chunk by chunk / big weights by group, next panels prefetched"),
-            (args.paired_amx_ab, kernels.qgemm_amx, "qgemm_amx", "qgemm vector path / AMX-INT8 tiles")):
+             "qgemm chunk by chunk / big weights by group, next panels prefetched")):
         if not steps:
             continue
         pairs = []

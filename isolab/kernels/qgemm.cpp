@@ -46,7 +46,6 @@ constexpr int QK = 32;     // k's per block
 constexpr int QP = 16;     // columns per panel
 constexpr int QMR = 4;     // rows per tile
 constexpr int QMC = 96;    // rows per cache block of the quantized A
-constexpr int QAR = 16;    // rows per AMX-INT8 tile
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 const char* QISA = "avx512vnni";
@@ -54,11 +53,6 @@ const char* QISA = "avx512vnni";
 const char* QISA = "avx2";
 #else
 const char* QISA = "generic";
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
-#define ISOLAB_QGEMM_AMX 1  // tiles of 16 rows take AMX-INT8 where the OS grants the tile state
-#else
-#define ISOLAB_QGEMM_AMX 0
 #endif
 
 // One quantized block of one row of A.
@@ -422,127 +416,6 @@ static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const Q
     for (int i = 0; i < R * NP; i++) out[i] = acc[i];
 }
 
-#if ISOLAB_QGEMM_AMX
-// ---- AMX-INT8 for u4 records: the integer part of 16 or 32 rows on the tile unit, then the same fold ----
-// TDPBSUD adds int8 (A: the rows' quantized blocks) x uint8 (B: the weights) products in int32:
-// exact, as VNNI's, so every isum is the same integer, and the fold below is run_panel_tile's
-// sequence of IEEE operations for each output, blocks in order: the VNNI path's bits
-// (tests/kernels/test_qgemm.py compares the two in one process, and every ISA level's).
-// A step is one block: A is 16 rows of the quantized blocks (32 k's), B a record unpacked to bytes
-// (a chunk's low nibbles are k-row 2c, its high ones 2c + 1: the layout TDPB* reads). The C tiles
-// are never cleared: they hold running sums, stored after every step, and a block's isum is the
-// difference of two stores (exact: |running sum| < 2^31). So the unit runs on through K without
-// waiting for the fold, which reads one step while the unit computes the next.
-// The fold is most of the work (7 vector operations an output and block, against VNNI's ~18 with
-// its dot products): u4 records gain 1.5x (bench/qgemm.py --amx-ab); s8 records, whose VNNI path
-// needs no unpacking, gained nothing or lost, so they keep it.
-// Tiles: t0, t1 A (rows 0-15, 16-31); t2, t3 B (panels p, p + 1); t4-t7 C (row tile, panel).
-
-static void amx_q_configure() {
-    TileConfig c{};
-    c.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = t == 2 || t == 3 ? 8 : QAR;     // B: 8 rows of 4 k's
-        c.colsb[t] = t < 2 ? QK : 64;                // A: 32 k's a row
-    }
-    _tile_loadconfig(&c);
-}
-
-static inline void unpack_u4(const uint8_t* rec, uint8_t* b) {  // 256 bytes of nibbles -> 512 bytes
-    const __m512i mask = _mm512_set1_epi8(0x0f);
-    for (int c = 0; c < 4; c++) {
-        const __m512i x = _mm512_loadu_si512(rec + 64 * c);
-        _mm512_store_si512(b + 128 * c, _mm512_and_si512(x, mask));
-        _mm512_store_si512(b + 128 * c + 64, _mm512_and_si512(_mm512_srli_epi16(x, 4), mask));
-    }
-}
-
-// One step: the block at rec (panel p + 1's at rec + ps) for RA row tiles (A at aq, 16 rows astride
-// bytes apart), then the running sums into c[slot = row tile * 2 + panel][16 rows * 16 columns].
-template <int RA, int NP>
-static inline void amx_step(const uint8_t* rec, long ps, const int8_t* aq, long astride, uint8_t (*unp)[512],
-                            int32_t (*c)[QAR * 16]) {
-    _tile_loadd(0, aq, astride);
-    if constexpr (RA == 2) _tile_loadd(1, aq + QAR * astride, astride);
-    unpack_u4(rec, unp[0]);
-    _tile_loadd(2, unp[0], 64);
-    if constexpr (NP == 2) {
-        unpack_u4(rec + ps, unp[1]);
-        _tile_loadd(3, unp[1], 64);
-    }
-    _tile_dpbsud(4, 0, 2);
-    if constexpr (NP == 2) _tile_dpbsud(5, 0, 3);
-    if constexpr (RA == 2) {
-        _tile_dpbsud(6, 1, 2);
-        if constexpr (NP == 2) _tile_dpbsud(7, 1, 3);
-    }
-    _tile_stored(4, c[0], 64);
-    if constexpr (NP == 2) _tile_stored(5, c[1], 64);
-    if constexpr (RA == 2) {
-        _tile_stored(6, c[2], 64);
-        if constexpr (NP == 2) _tile_stored(7, c[3], 64);
-    }
-}
-
-// 16 * RA rows (row r's blocks at a + r * nb) x NP panels of u4 records -> out; cols as `tile`'s.
-// The caller has configured the tiles.
-template <int RA, int NP, typename TO>
-static void amx_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* a, TO* out, long ldo, int cols) {
-    const long rb = record_bytes(U4, fp16), sb = fp16 ? 32 : 64, astride = (long)nb * (long)sizeof(QA);
-    alignas(64) int32_t cum[2][4][QAR * 16];  // [buffer][slot][row * 16 + column]: running sums
-    alignas(64) int32_t last[4][QAR * 16];    // each slot's running sums before the block
-    alignas(64) uint8_t unp[2][512];
-    alignas(64) v16f acc[4][QAR];
-    std::memset(last, 0, sizeof(last));
-    for (int i = 0; i < 4; i++)
-        for (int r = 0; r < QAR; r++) acc[i][r] = v16f{};
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    amx_step<RA, NP>(W, ps, a[0].q, astride, unp, cum[0]);
-    for (int b = 0, buf = 0; b < nb; b++, buf ^= 1) {
-        if (b + 1 < nb)  // the unit runs a block ahead while this one folds
-            amx_step<RA, NP>(W + (long)(b + 1) * rb, ps, a[b + 1].q, astride, unp, cum[buf ^ 1]);
-        for (int ra = 0; ra < RA; ra++)
-            for (int p = 0; p < NP; p++) {
-                const int slot = ra * 2 + p;
-                const uint8_t* sc = W + (long)b * rb + p * ps + 256;
-                const v16f d = load_scales(sc, fp16), mn = load_scales(sc + sb, fp16);
-                for (int r = 0; r < QAR; r++) {
-                    const QA& q = a[(long)(ra * QAR + r) * nb + b];
-                    v16i cur, prev;
-                    std::memcpy(&cur, cum[buf][slot] + r * 16, 64);
-                    std::memcpy(&prev, last[slot] + r * 16, 64);
-                    std::memcpy(last[slot] + r * 16, &cur, 64);
-                    v16f& x = acc[slot][r];
-                    x = x + (d * q.d) * __builtin_convertvector(cur - prev, v16f);
-                    x = x + mn * q.xs;
-                }
-            }
-    }
-    for (int ra = 0; ra < RA; ra++)
-        for (int r = 0; r < QAR; r++)
-            for (int p = 0; p < NP; p++) {
-                TO* o = out + (long)(ra * QAR + r) * ldo + p * QP;
-                if (p < NP - 1 || cols == 16) {
-                    store16(o, acc[ra * 2 + p][r]);
-                } else {
-                    for (int j = 0; j < cols; j++) store(o, j, acc[ra * 2 + p][r][j]);
-                }
-            }
-}
-
-template <typename TO>
-static void amx_tiles(int ra, int np, const uint8_t* W, long ps, int nb, bool fp16, const QA* a, TO* out, long ldo,
-                      int cols) {
-    if (ra == 2 && np == 2) amx_tile<2, 2>(W, ps, nb, fp16, a, out, ldo, cols);
-    else if (ra == 2) amx_tile<2, 1>(W, ps, nb, fp16, a, out, ldo, cols);
-    else if (np == 2) amx_tile<1, 2>(W, ps, nb, fp16, a, out, ldo, cols);
-    else amx_tile<1, 1>(W, ps, nb, fp16, a, out, ldo, cols);
-}
-#endif
-
 // rows x (NP panels) of output; cols: the columns of the last panel that exist (1..16)
 template <int FMT, int NP, typename TO>
 static void tile(int rows, const uint8_t* W, long ps, int nb, bool fp16, const QA* const* a, TO* out, long ldo, int cols) {
@@ -583,13 +456,6 @@ inline std::atomic<int>& qgemm_order() {
     return order;
 }
 
-// 1 (default): tiles of 16 rows on AMX-INT8 where it runs; 0: every row on the vector path (an
-// A/B and the tests' comparison: the bits are the same). Read once a call (relaxed).
-inline std::atomic<int>& qgemm_amx() {
-    static std::atomic<int> on{1};
-    return on;
-}
-
 static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
 
 template <typename TA, typename TO>
@@ -612,7 +478,6 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     const int order = qgemm_order().load(std::memory_order_relaxed);
     const bool by_group = order != 0 && (long)panels * panel_bytes / 2 > (long)M * nb * (long)sizeof(QA);
     const bool prefetch_next = order != 0;
-    const bool amx = ISOLAB_QGEMM_AMX && fmt == U4 && amx_ready() && qgemm_amx().load(std::memory_order_relaxed) != 0;
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -640,25 +505,13 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
                     next_lines = np2 * panel_bytes / 64;
                 }
                 const long per_tile = (next_lines + (m1 - m0 + QMR - 1) / QMR - 1) / ((m1 - m0 + QMR - 1) / QMR);
-#if ISOLAB_QGEMM_AMX
-                if (amx && m1 - m0 >= QAR) amx_q_configure();  // per thread; bf16 GEMMs set their own
-#endif
-                for (int m = m0; m < m1;) {
-                    const int ra = amx ? (m1 - m) / QAR < 2 ? (m1 - m) / QAR : 2 : 0;  // row tiles on the unit
-                    for (long e = 0; e < per_tile * (ra ? ra * QAR / QMR : 1) && pf_done < next_lines; e++, pf_done++)
+                for (int m = m0; m < m1; m += QMR) {
+                    for (long e = 0; e < per_tile && pf_done < next_lines; e++, pf_done++)
                         prefetch_l2(next_w + pf_done * 64);
-                    TO* o = out + (long)m * N + (long)p * QP;
-#if ISOLAB_QGEMM_AMX
-                    if (ra) {
-                        amx_tiles(ra, np, wp, panel_bytes, nb, fp16, qa + (long)m * nb, o, N, cols);
-                        m += ra * QAR;
-                        continue;
-                    }
-#endif
                     const int rows = m1 - m < QMR ? m1 - m : QMR;
-                    m += rows;
                     const QA* a[QMR];
-                    for (int r = 0; r < rows; r++) a[r] = qa + (long)(m - rows + r) * nb;
+                    for (int r = 0; r < rows; r++) a[r] = qa + (long)(m + r) * nb;
+                    TO* o = out + (long)m * N + (long)p * QP;
                     if (fmt == U4)
                         tiles<U4>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                     else if (fmt == S8)
@@ -667,9 +520,6 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
                         tiles<S8G16>(np, rows, wp, panel_bytes, nb, fp16, a, o, N, cols);
                 }
             });
-#if ISOLAB_QGEMM_AMX
-        if (amx) _tile_release();
-#endif
     }
     std::free(qa);
 }
@@ -677,12 +527,7 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
 }  // namespace
 
 extern "C" {
-// the integer path: "amx-int8" where tiles of 16 rows of u4 records take the tile unit (other rows
-// and records take QISA)
-const char* isolab_qgemm_isa() {
-    return ISOLAB_QGEMM_AMX && amx_ready() && qgemm_amx().load(std::memory_order_relaxed) ? "amx-int8" : QISA;
-}
-void isolab_qgemm_amx(int on) { qgemm_amx().store(on, std::memory_order_relaxed); }
+const char* isolab_qgemm_isa() { return QISA; }
 // 1: threads take each other's remaining tasks (default); 0: a static share each; 2: as 1, thread 0
 // late (balance.h)
 void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
