@@ -595,8 +595,30 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
     const long sstride = (long)Lpad * sizeof(float);
     _tile_loadd(6, qb, DH * 2);
     _tile_loadd(7, qb + 32, DH * 2);
+    // As attend_row_bf16 at prefetch_level 1 or 2: K runs of scattered blocks into L1 AHEAD blocks
+    // before their scores, each block's V run into L2 while its keys are scored. A decode step's
+    // units are single rows whose blocks lie anywhere in the pool (bench/attention_prefetch.py: 0.89-0.92x
+    // at 128 decode rows). Its next-task prefetch has no counterpart here: tried (tasks claimed one
+    // ahead, the next one's K lines spread over this P.V pass), it cost more than it saved (0.94x
+    // against 0.89x; 1.29x where the keys are in cache), the P.V pass on tiles being too short to
+    // hide them in.
+    const int pf = prefetch_level.load(std::memory_order_relaxed);
+    constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN;
+    auto prefetch_k_if_scattered = [&](int i) {
+        if (i == 0 || table[i] != table[i - 1] + 1) {
+            const char* kn = (const char*)(kplane + ((long)h * NB + table[i]) * DH * BS);
+            for (int l = 0; l < RUN; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
+        }
+    };
+    if (pf)
+        for (int i = 0; i < nblk && i < AHEAD; i++) prefetch_k_if_scattered(i);
     for (int i = 0; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
+        if (pf) {
+            if (i + AHEAD < nblk) prefetch_k_if_scattered(i + AHEAD);
+            const char* vn = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
+            for (int l = 0; l < RUN; l += 64) _mm_prefetch(vn + l, _MM_HINT_T1);
+        }
         _tile_zero(0);
         _tile_loadd(1, kb, 64);
         _tile_dpbf16ps(0, 6, 1);
