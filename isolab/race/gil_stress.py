@@ -64,6 +64,16 @@ def switch_interval(seconds: float) -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
+def _started_together(body: Callable[[SimpleNamespace], None], s: SimpleNamespace) -> list[threading.Thread]:
+    barrier = threading.Barrier(2)
+
+    def run() -> None:
+        barrier.wait()
+        body(s)
+
+    return [threading.Thread(target=run) for _ in range(2)]
+
+
 def lost_updates(gadget: str, iterations: int = 20_000, trials: int = 3, stop_at_first: bool = True) -> int:
     """Updates lost by two real threads running the gadget body `iterations` times each."""
     body = _compile(gadget, "gadget")
@@ -72,15 +82,9 @@ def lost_updates(gadget: str, iterations: int = 20_000, trials: int = 3, stop_at
     with switch_interval(1e-6):
         for _ in range(trials):
             s = SimpleNamespace(x=0)
-            # both threads wait at the barrier, so neither runs its loop before the other exists (on a
-            # loaded machine the first could otherwise finish before the second was scheduled)
-            start = threading.Barrier(2)
-
-            def run(s: SimpleNamespace = s, start: threading.Barrier = start) -> None:
-                start.wait()
-                body(s, iterations)
-
-            threads = [threading.Thread(target=run) for _ in range(2)]
+            # started together: on a loaded machine the first thread could otherwise finish its loop
+            # before the second was scheduled, and a switch point would read as none
+            threads = _started_together(lambda s: body(s, iterations), s)
             for t in threads:
                 t.start()
             for t in threads:
@@ -103,16 +107,6 @@ def gadget_scenario(name: str) -> Scenario:
 def sell_all(s: SimpleNamespace) -> None:
     while s.stock > 0:  # the loop's back edge is a POP_JUMP_BACKWARD_IF_TRUE: a GIL switch point
         s.stock -= 1
-
-
-def _started_together(body: Callable[[SimpleNamespace], None], s: SimpleNamespace) -> list[threading.Thread]:
-    barrier = threading.Barrier(2)
-
-    def run() -> None:
-        barrier.wait()
-        body(s)
-
-    return [threading.Thread(target=run) for _ in range(2)]
 
 
 def oversells(runs: int = 3_000, stock: int = 2, interval: float = 1e-6, stop_at_first: bool = False) -> int:
