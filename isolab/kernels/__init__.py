@@ -9,11 +9,11 @@ threads (the .so links the libgomp that torch has already loaded). Where they ca
 runs its torch path (`LlamaModel.forward`'s torch ops and `attention_core`); `ISOLAB_NATIVE=0`
 forces that path.
 
-ISA levels: the build targets this CPU (`native`); `ISOLAB_KERNEL_ISA=generic|avx2|avx512|avx512bf16|amx`
-builds for a lower level instead (x86-64, x86-64-v3, x86-64-v4, x86-64-v4 with BF16 dot products
-and VNNI as AMD Zen 4/5 run it, x86-64-v4 with AMX tiles), so tests can run every code path this
-CPU can execute. A level the CPU lacks is refused with a
-sentence.
+ISA levels: the build targets this CPU (`native`);
+`ISOLAB_KERNEL_ISA=generic|avx2|avx512|avx512bf16|amx` builds for a lower level instead (x86-64,
+x86-64-v3, x86-64-v4, x86-64-v4 with BF16 dot products and VNNI as AMD Zen 4/5 run it, x86-64-v4
+with AMX tiles), so tests can run every code path this CPU can execute. A level the CPU lacks is
+refused with a sentence.
 
 Every kernel computes each output element in an order fixed by that element's row alone, which is
 what makes the engine's results independent of the batch in fp32 as well as bf16. The GEMM goes
@@ -46,7 +46,8 @@ HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
 # -ffp-contract=off: no silent fma, so every ISA level rounds alike. -mtune=generic: `native` takes
 # this CPU's instructions but the same tuning as the x86-64-vN levels; GCC 12 tunes an AMX Xeon as
 # "rocketlake", which made the quantized GEMM's VNNI path 1.38x slower than an x86-64-v4 build of the
-# same source (4.13 against 2.98 ms; -mtune=generic alone gave it back). Tuning changes no bit.
+# same source (4.13 against 2.98 ms, timed by hand; -mtune=generic alone gave it back). Tuning
+# changes no bit.
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off", "-mtune=generic")
 # ISA level -> (-march flag, the /proc/cpuinfo flags it needs)
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -192,8 +193,8 @@ def attention_row_units(on: bool) -> bool:
 def attention_prefetch(level: int) -> bool:
     """Set what the bf16 attention kernels prefetch (paged_attention.cpp: 0 nothing, 1 within a task,
     2 also the next task, the default; the AMX kernel has no next-task prefetch, so 1 and 2 are the
-    same there: paged_attention.cpp says why); no level changes a bit. False where this CPU's bf16 attention is the fma kernel,
-    which has no prefetches to set."""
+    same there: paged_attention.cpp says why); no level changes a bit. False where this CPU's bf16
+    attention is the fma kernel, which has no prefetches to set."""
     return _library() is not None and attention_isa() in ("avx512bf16", "amx") and _set("attention_prefetch", level)
 
 

@@ -117,6 +117,8 @@ def test_every_isa_level_gives_the_same_bits(tmp_path):
     assert got["generic"]["isa"] == "generic"
     if "amx" in levels:
         assert got["amx"]["isa"] == "amx" and got["avx512"]["isa"] == "avx512"
+    if "avx512bf16" in levels:  # a Zen's chains, on any CPU with the instructions (an AMX Xeon too)
+        assert got["avx512bf16"]["isa"] == "avx512bf16" and got["avx512bf16"]["attention_isa"] == "avx512bf16"
     base = got["generic"]
     for lv, out in got.items():
         for name in ("bf16", "fp32"):
