@@ -243,6 +243,45 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
 static std::atomic<int> prefetch_level{2};  // read once a task (relaxed): a setting, not a synchronization
 extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(level, std::memory_order_relaxed); }
 
+// The within-task prefetch of both bf16 kernels (attend_row_bf16, attend_unit_amx), at level 1 or
+// 2. A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
+// blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
+// (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So the K
+// runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
+// flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds it
+// there). Blocks [first, nblk) of `table`, KV head h. Prefetches only: no effect on any result.
+template <int DH, int BS>
+struct TaskPrefetch {
+    static constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
+    const uint16_t* kplane;
+    const uint16_t* vplane;
+    const int32_t* table;
+    long NB;
+    int h, first, nblk;
+    bool on;
+
+    // always_inline: GCC 12 finds a function whose only work is prefetches "const" and deletes the
+    // call before it would inline it (a lambda too: the K prefetch of the kernels' first version
+    // never reached the binary; no prefetcht0 in any build until this)
+    template <int LOCALITY>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
+    __attribute__((always_inline)) void run(const uint16_t* plane, int i) const {
+        const char* p = (const char*)(plane + ((long)h * NB + table[i]) * DH * BS);
+        for (int l = 0; l < RUN; l += 64) __builtin_prefetch(p + l, 0, LOCALITY);
+    }
+    __attribute__((always_inline)) void k_if_scattered(int i) const {
+        if (i == first || table[i] != table[i - 1] + 1) run<3>(kplane, i);
+    }
+    __attribute__((always_inline)) void begin() const {  // the first AHEAD blocks' K
+        if (on)
+            for (int i = first; i < nblk && i < first + AHEAD; i++) k_if_scattered(i);
+    }
+    __attribute__((always_inline)) void at(int i) const {  // block i is about to be scored
+        if (!on) return;
+        if (i + AHEAD < nblk) k_if_scattered(i + AHEAD);
+        run<2>(vplane, i);
+    }
+};
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -293,30 +332,14 @@ static void attend_row_bf16(const uint16_t* q, const uint16_t* kplane, const uin
     const int start = window_start < L ? window_start : 0;  // keys before it weigh exactly 0: skipped
     uint32_t qp[G][DH / 2];
     for (int g = 0; g < G; g++) std::memcpy(qp[g], q + g * DH, DH * 2);
-    // A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
-    // blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
-    // (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So the K
-    // runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
-    // flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds
-    // it there). bench/attention_prefetch.py measures the levels; none changes a bit.
+    // bench/attention_prefetch.py measures the prefetch levels; none changes a bit
     const int pf = prefetch_level.load(std::memory_order_relaxed);
-    constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
     const int first = start / BS;
-    auto prefetch_k_if_scattered = [&](int i) {
-        if (i == first || table[i] != table[i - 1] + 1) {
-            const char* kb = (const char*)(kplane + ((long)h * NB + table[i]) * DH * BS);
-            for (int l = 0; l < RUN; l += 64) _mm_prefetch(kb + l, _MM_HINT_T0);
-        }
-    };
-    if (pf)
-        for (int i = first; i < nblk && i < first + AHEAD; i++) prefetch_k_if_scattered(i);
+    const TaskPrefetch<DH, BS> pre{kplane, vplane, table, NB, h, first, nblk, pf != 0};
+    pre.begin();
     for (int i = first; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        if (pf) {
-            if (i + AHEAD < nblk) prefetch_k_if_scattered(i + AHEAD);
-            const char* vb = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
-            for (int l = 0; l < RUN; l += 64) _mm_prefetch(vb + l, _MM_HINT_T1);
-        }
+        pre.at(i);
         // two chains per head (even and odd dimension pairs), added at the end: a fixed order,
         // and twice the independent dot products in flight
         __m512 acc[G], acc1[G];
@@ -595,30 +618,17 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
     const long sstride = (long)Lpad * sizeof(float);
     _tile_loadd(6, qb, DH * 2);
     _tile_loadd(7, qb + 32, DH * 2);
-    // As attend_row_bf16 at prefetch_level 1 or 2: K runs of scattered blocks into L1 AHEAD blocks
-    // before their scores, each block's V run into L2 while its keys are scored. A decode step's
-    // units are single rows whose blocks lie anywhere in the pool (bench/attention_prefetch.py: 0.89-0.92x
-    // at 128 decode rows). Its next-task prefetch has no counterpart here: tried (tasks claimed one
-    // ahead, the next one's K lines spread over this P.V pass), it cost more than it saved (0.94x
-    // against 0.89x; 1.29x where the keys are in cache), the P.V pass on tiles being too short to
-    // hide them in.
-    const int pf = prefetch_level.load(std::memory_order_relaxed);
-    constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN;
-    auto prefetch_k_if_scattered = [&](int i) {
-        if (i == 0 || table[i] != table[i - 1] + 1) {
-            const char* kn = (const char*)(kplane + ((long)h * NB + table[i]) * DH * BS);
-            for (int l = 0; l < RUN; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
-        }
-    };
-    if (pf)
-        for (int i = 0; i < nblk && i < AHEAD; i++) prefetch_k_if_scattered(i);
+    // The within-task prefetch (TaskPrefetch; bench/attention_prefetch.py: 0.89-0.92x at 128
+    // decode rows, whose units are single rows with their blocks anywhere in the pool). The
+    // next-task prefetch has no counterpart here: tried (tasks claimed one ahead, the next one's K
+    // lines spread over this P.V pass), it cost more than it saved (0.94x against 0.89x; 1.29x
+    // where the keys are in cache), the P.V pass on tiles being too short to hide them in.
+    const TaskPrefetch<DH, BS> pre{kplane, vplane, table, NB, h, 0, nblk,
+                                   prefetch_level.load(std::memory_order_relaxed) != 0};
+    pre.begin();
     for (int i = 0; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        if (pf) {
-            if (i + AHEAD < nblk) prefetch_k_if_scattered(i + AHEAD);
-            const char* vn = (const char*)(vplane + ((long)h * NB + table[i]) * DH * BS);
-            for (int l = 0; l < RUN; l += 64) _mm_prefetch(vn + l, _MM_HINT_T1);
-        }
+        pre.at(i);
         _tile_zero(0);
         _tile_loadd(1, kb, 64);
         _tile_dpbf16ps(0, 6, 1);

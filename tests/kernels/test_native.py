@@ -5,6 +5,7 @@ when they cannot be built."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -254,6 +255,19 @@ def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh, window):
     if window == 0:
         ref = _torch_reference(q, kv, tables, pos)
         assert (outs[0].float() - ref.float()).abs().max().item() < DTYPES["bf16"][1]
+
+
+@pytest.mark.skipif(kernels.attention_isa() not in ("avx512bf16", "amx") or not shutil.which("objdump"),
+                    reason="the prefetches are in the AVX512-BF16 and AMX kernels (and objdump reads the build)")
+def test_the_key_prefetch_reaches_the_binary():
+    """The within-task prefetch sends K runs into L1 (prefetcht0) and V runs into L2 (prefetcht1).
+    GCC 12 deletes a call to a function whose only work is prefetches (it finds it "const") before
+    inlining it, and the K half of the first version never reached the binary; TaskPrefetch is
+    always_inline. Bits cannot show a prefetch, so this reads the built library."""
+    path = kernels._library()._name  # type: ignore[union-attr]
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "prefetcht0" in asm and "prefetcht1" in asm
 
 
 @pytest.mark.parametrize("dname", DTYPES)
