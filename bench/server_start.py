@@ -26,16 +26,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from single_stream import rss_mib  # (bench/ is the script's directory: its /proc/PID/status reader)
+
 from isolab.testing.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _status_mib(pid: int, key: str) -> float:
-    for ln in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if ln.startswith(key):
-            return round(int(ln.split()[1]) / 1024, 1)
-    return 0.0
 
 
 def one_start(tree: Path, model: str | None, timeout: float) -> dict:
@@ -62,8 +57,8 @@ def one_start(tree: Path, model: str | None, timeout: float) -> dict:
             time.sleep(0.05)
         ready = time.perf_counter() - t0
         time.sleep(2.0)
-        return {"ready_s": round(ready, 2), "idle_rss_mib": _status_mib(proc.pid, "VmRSS"),
-                "peak_rss_mib": _status_mib(proc.pid, "VmHWM")}
+        idle, peak = rss_mib(proc.pid)
+        return {"ready_s": round(ready, 2), "idle_rss_mib": idle, "peak_rss_mib": peak}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
