@@ -8,6 +8,7 @@ the same tree. Comparing a change with the commit before it:
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python bench/server_start.py --tree before=/tmp/before --tree after=. [--model gemma3-270m]
+        [--weights dense]
 
 Writes bench/results/server_start_MODEL.json (or --json). Run it alone (2 cores).
 """
@@ -33,11 +34,11 @@ from isolab.testing.live_server import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_start(tree: Path, model: str | None, timeout: float) -> dict:
+def one_start(tree: Path, model: str | None, timeout: float, weights: str | None = None) -> dict:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "isolab.cli", "serve", "--port", str(port), "--no-auth", "--log-level", "warning",
-           *(["--model", model] if model else [])]
+           *(["--model", model] if model else []), *(["--weights", weights] if weights else [])]
     log = tempfile.TemporaryFile(mode="w+")  # (a pipe nobody reads could fill and stall the server)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -74,6 +75,7 @@ def main() -> int:
     ap.add_argument("--tree", action="append", default=None, metavar="NAME=PATH",
                     help="a checkout to start the server from (repeatable; default: this one, as 'this')")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--weights", default=None, help="passed to `isolab serve` (native, dense)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a start may take")
     ap.add_argument("--json", default=None)
@@ -89,7 +91,7 @@ def main() -> int:
     runs = []
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            run = {"tree": name, **one_start(trees[name], args.model, args.timeout)}
+            run = {"tree": name, **one_start(trees[name], args.model, args.timeout, args.weights)}
             runs.append(run)
             print(f"round {r} {name}: ready in {run['ready_s']:.2f} s, idle RSS {run['idle_rss_mib']} MiB, "
                   f"peak {run['peak_rss_mib']} MiB", flush=True)
@@ -104,7 +106,7 @@ def main() -> int:
 
     cpu = cpu_description()
     out = Path(args.json or ROOT / f"bench/results/server_start_{args.model or 'default'}.json")
-    out.write_text(json.dumps({"model": args.model, "cpu": cpu, "trees": {n: str(t) for n, t in trees.items()},
+    out.write_text(json.dumps({"model": args.model, "weights": args.weights, "cpu": cpu, "trees": {n: str(t) for n, t in trees.items()},
                                "commits": commits, "rounds": args.rounds, "median": median, "runs": runs}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -3,9 +3,9 @@
 Each engine runs in its own process (so RSS is its own) and measures, greedy:
   decode tok/s at batch 1 after a short prompt (32 tokens) and after a 1,024-token context,
   prefill of 512 tokens (tok/s), RSS after load (idle) and the peak (VmHWM).
-Then each server starts with the same GGUF and its idle RSS is read: `isolab serve` and
-`python -m llama_cpp.server`. isolab runs with --weights native (multiplies on the GGUF blocks) and
-dense (bf16) for reference. llama.cpp's CPU weight repacking is off (use_extra_bufts=False; it
+Then each server starts with the same GGUF and its idle RSS is read, and again after one chat
+request of 16 tokens: `isolab serve` and `python -m llama_cpp.server`. isolab runs with --weights
+native (multiplies on the GGUF blocks) and dense (bf16) for reference. llama.cpp's CPU weight repacking is off (use_extra_bufts=False; it
 crashes on AMX VMs). llama-cpp-python is optional: without it the peer is skipped, with a sentence.
 
     .venv/bin/python bench/single_stream.py [--threads 2] [--json bench/results/single_stream.json]
@@ -128,19 +128,28 @@ def worker_llama(gguf: str, threads: int) -> dict:
     return out
 
 
-def server_idle_rss(cmd: list[str], port: int, path: str, timeout: float = 300) -> float | None:
+def server_rss(cmd: list[str], port: int, path: str, timeout: float = 300) -> tuple[float, float] | None:
+    """(idle RSS, RSS after one chat request of 16 tokens) of a server, in MiB; None if it did not come up.
+    The second figure counts the weight pages a request touches where a server maps them from a file."""
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if proc.poll() is not None:
                 return None
             try:
-                if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200:
+                if httpx.get(base + path, timeout=2).status_code == 200:
                     time.sleep(2)  # settle
-                    return rss_mib(proc.pid)[0]
+                    idle = rss_mib(proc.pid)[0]
+                    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+                    r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+                        "model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]})
+                    r.raise_for_status()
+                    time.sleep(1)
+                    return idle, rss_mib(proc.pid)[0]
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
@@ -193,16 +202,17 @@ def main() -> int:
         from isolab.testing.live_server import free_port
 
         port = free_port()
-        servers = {"isolab serve": server_idle_rss([str(Path(sys.executable).parent / "isolab"), "serve", "--no-auth",
+        servers = {"isolab serve": server_rss([str(Path(sys.executable).parent / "isolab"), "serve", "--no-auth",
                                                     "--port", str(port), "--model", gguf],
                                                    port, "/health")}
         if have_llama:
             port = free_port()
             bench_dir = str(Path(__file__).resolve().parent)
-            servers["llama_cpp.server"] = server_idle_rss(
+            servers["llama_cpp.server"] = server_rss(
                 [sys.executable, "-c", LLAMA_SERVER.format(bench=bench_dir), "--model", gguf, "--port", str(port),
                  "--n_threads", str(args.threads)], port, "/v1/models")
-        result["server_idle_rss_mib"] = servers
+        result["server_idle_rss_mib"] = {k: v and v[0] for k, v in servers.items()}
+        result["server_rss_after_one_request_mib"] = {k: v and v[1] for k, v in servers.items()}
     if have_llama:
         iso, peer = rows[0], rows[-1]
         result["isolab_native_over_llama_cpp"] = {k: round(iso[k] / peer[k], 2) for k in
@@ -236,6 +246,7 @@ def _print(result: dict) -> None:
         print("isolab native / llama.cpp:", result["isolab_native_over_llama_cpp"])
     if "server_idle_rss_mib" in result:
         print("server idle RSS (MiB):", result["server_idle_rss_mib"])
+        print("server RSS after one request (MiB):", result["server_rss_after_one_request_mib"])
     if result["llama_cpp_skipped"]:
         print("llama.cpp skipped:", result["llama_cpp_skipped"])
 

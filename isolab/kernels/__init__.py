@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from isolab.paths import user_cache
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
@@ -67,8 +69,7 @@ MAX_HEAD_DIM = 256
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "isolab" / "kernels"
+    return user_cache("kernels")
 
 
 def _cpu_id() -> str:
@@ -373,6 +374,12 @@ def build_key() -> str:
     return build_path.stem
 
 
+def packed_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape pack_weight gives an (n, k) weight of this dtype."""
+    n_pad = -(-n // GEMM_PAD_N) * GEMM_PAD_N
+    return (n_pad // 16, k // 2, 16, 2) if dtype == torch.bfloat16 else (n_pad // 16, k, 16)
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """(N, K) bf16 or fp32 -> the GEMM's packed panels (gemm.cpp), N padded to GEMM_PAD_N:
     fp32 (Np/16, K, 16); bf16 (Np/16, K/2, 16, 2). bf16 needs an even K."""
@@ -382,8 +389,11 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     wp = torch.zeros(n_pad, k, dtype=w.dtype, device=w.device)
     wp[:n] = w
     if w.dtype == torch.bfloat16:
-        return wp.view(n_pad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return wp.view(n_pad // 16, 16, k).permute(0, 2, 1).contiguous()
+        out = wp.view(n_pad // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        out = wp.view(n_pad // 16, 16, k).permute(0, 2, 1).contiguous()
+    assert tuple(out.shape) == packed_shape(n, k, w.dtype)
+    return out
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

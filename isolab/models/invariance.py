@@ -30,6 +30,7 @@ from isolab import kernels
 from isolab.kernels import quant
 from isolab.models.attention import attention_core, write_kv
 from isolab.models.linear import GEMM_PATHS, GemmPath, QuantWeight, Weight, path_applies
+from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,7 @@ def cpu_description() -> str:
 def _cache_dir() -> Path:
     if os.environ.get("ISOLAB_INVARIANCE_CACHE"):
         return Path(os.environ["ISOLAB_INVARIANCE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "isolab" / "invariance"
+    return user_cache("invariance")
 
 
 def _env() -> dict[str, str]:

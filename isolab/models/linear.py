@@ -65,6 +65,14 @@ class Weight:
         else:
             self.data = weight  # (N, K) as it came
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, n: int) -> Weight:
+        """A weight on isolab's GEMM whose panels are packed already (kernels.pack_weight's layout;
+        models/weight_cache.py maps them from a file)."""
+        self = cls.__new__(cls)
+        self.path, self.n, self.data = "isolab", n, packed
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T: (M, K) -> (M, N)."""
         if self.path == "isolab":
@@ -117,6 +125,17 @@ class QuantWeight:
                      if self.packed is not None else None)
         # FAULT batch-variant-gemm: the dense (N, K) weights of the big-batch path
         self.big_batch = torch.from_numpy(u.dense()).to(device) if split_k else None
+
+    @classmethod
+    def from_records(cls, packed: torch.Tensor, n: int, fmt: int, fp16: bool, qtype: str,
+                     out_dtype: torch.dtype | None = None) -> QuantWeight:
+        """A weight whose records are packed already (models/weight_cache.py maps them from a
+        file): the native kernels' path only, with the same arguments __init__ binds."""
+        self = cls.__new__(cls)
+        self.n, self.fmt, self.fp16, self.qtype = n, fmt, fp16, qtype
+        self.packed, self.ref, self.out_dtype, self.big_batch = packed, None, out_dtype, None
+        self._run = kernels.qgemm_bound(packed, fmt, fp16, n, out_dtype)
+        return self
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,7 @@ the check reports it. See docs/engine.md, "Numerics".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from isolab.models import gemma3, invariance, qwen
 from isolab.models.attention import KEY_PAD, attention_core, rope_tables
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
 from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
+from isolab.models.weight_cache import WeightCache
 
 Linear = Weight | QuantWeight | StackedWeight
 
@@ -211,11 +213,50 @@ class LlamaModel:
         def wf(name: str) -> torch.Tensor:
             return torch.from_numpy(np.array(t[name], dtype=np.float32)).to(device=self.device)
 
+        def unpack(names: list[str]) -> list[quant.Unpacked]:
+            return [quant.unpack_gguf(loaded.raw[n].data, loaded.raw[n].qtype, loaded.raw[n].shape) for n in names]
+
+        split = gemm == "split-k"  # FAULT batch-variant-gemm reaches the quantized GEMMs too
+        # the native kernels' weights (quantized records; isolab's bf16 panels and table): mapped from
+        # the on-disk cache, packed there by a first start. fp32 dense weights, the golden tests'
+        # reference, stay in memory (4 bytes a weight on disk would be a lot to keep for a check).
+        cache = WeightCache(loaded.fingerprint) if on_blocks and not split else None
+        self.weight_cache = cache
+        dense_cache = cache if self.dtype == torch.bfloat16 and path == "isolab" else None
+
+        def dense(names: list[str]) -> Weight:
+            def full() -> torch.Tensor:
+                return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+
+            n, k = sum(loaded.raw[x].shape[0] for x in names), loaded.raw[names[0]].shape[-1]
+            if dense_cache is None or k % 2:  # (bf16 panels need an even K)
+                return Weight(full(), path)
+            packed = dense_cache.records(f"{'+'.join(names)}.bf16", kernels.packed_shape(n, k, self.dtype),
+                                         lambda: kernels.pack_weight(full()), self.dtype)
+            return Weight.from_packed(packed, n)
+
+        def pack(names: list[str]) -> torch.Tensor:
+            return quant.pack(quant.concat(unpack(names)))
+
+        def cached(names: list[str], out_dtype: torch.dtype | None) -> QuantWeight | StackedWeight:
+            assert cache is not None
+            k = loaded.raw[names[0]].shape[-1]
+            ws: list[Weight | QuantWeight] = []
+            for fmt, fp16, idx in quant.plan([loaded.raw[n].qtype for n in names]):  # as concat stacks them
+                sub = [names[i] for i in idx]
+                n = sum(loaded.raw[x].shape[0] for x in sub)
+                shape = (-(-n // quant.PANEL), k // quant.QK, quant.record_bytes(fmt, fp16))
+                packed = cache.records("+".join(sub), shape, functools.partial(pack, sub))
+                qtype = "+".join(sorted({loaded.raw[x].qtype for x in sub}))
+                ws.append(QuantWeight.from_records(packed, n, fmt, fp16, qtype, out_dtype))
+            return ws[0] if len(ws) == 1 else StackedWeight(ws)  # type: ignore[return-value]
+
         def linear(names: list[str], out_dtype: torch.dtype | None = None) -> Weight | QuantWeight | StackedWeight:
             if not _native_format(loaded, names) or weights != "native":
-                return Weight(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), path)
-            parts = [quant.unpack_gguf(loaded.raw[n].data, loaded.raw[n].qtype, loaded.raw[n].shape) for n in names]
-            split = gemm == "split-k"  # FAULT batch-variant-gemm reaches the quantized GEMMs too
+                return dense(names)
+            if cache is not None:
+                return cached(names, out_dtype)
+            parts = unpack(names)
             try:
                 return QuantWeight(quant.concat(parts), self.device, on_blocks, out_dtype, split)
             except ValueError:  # u4 beside s8: one GEMM each
@@ -229,7 +270,9 @@ class LlamaModel:
         elif weights == "native":  # rows read from the mmapped file as they are asked for
             self.embed = Embedding(loaded.raw["token_embd.weight"], self.dtype, self.device)
         else:
-            self.embed = w("token_embd.weight")  # (V, D)
+            table = "token_embd.weight"
+            self.embed = w(table) if dense_cache is None else dense_cache.records(  # (V, D)
+                f"{table}.rows.bf16", tuple(loaded.raw[table].shape), lambda: w(table), self.dtype)
         self.final_norm = w("output_norm.weight")
         self.layers: list[Layer] = []
         for i in range(hp.num_layers):

