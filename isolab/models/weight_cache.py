@@ -46,10 +46,20 @@ from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
 
-# the layouts: the quantized records (kernels/quant.py) and the dense panels (kernels.pack_weight)
-CODE_KEY = hashlib.sha256(Path(quant.__file__).read_bytes() + inspect.getsource(kernels.pack_weight).encode()
-                          + inspect.getsource(kernels.packed_shape).encode() + str(kernels.GEMM_PAD_N).encode()
-                          ).hexdigest()[:16]
+def _layout_key() -> str:
+    """A hash of the code that lays the weights out: the quantized records (kernels/quant.py) and
+    the dense panels (kernels.pack_weight, packed_shape, GEMM_PAD_N)."""
+    h = hashlib.sha256()
+    for part in (quant, kernels.pack_weight, kernels.packed_shape):
+        try:
+            h.update(inspect.getsource(part).encode())
+        except (OSError, TypeError):  # no source (a build without .py files): the whole module file
+            h.update(Path(inspect.getfile(part)).read_bytes())
+    h.update(str(kernels.GEMM_PAD_N).encode())
+    return h.hexdigest()[:16]
+
+
+CODE_KEY = _layout_key()
 
 
 def cache_root() -> Path | None:
