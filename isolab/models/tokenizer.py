@@ -29,6 +29,19 @@ def _cache_dir(fingerprint: str) -> Path:
     return root / "tokenizers" / fingerprint[:32]
 
 
+def _release_construction_tables(tok: Any) -> list[str]:
+    """Drop the Python copies of the vocabulary and merges that transformers' BPE tokenizers (Llama,
+    Gemma, GPT-2, ...) keep after building their Rust backend from them: the backend holds its own
+    and nothing reads these again (transformers reads them only in __init__). For Gemma 3's 262k
+    tokens and 515k merges they were 144 MiB of an idle server. Returns the names released."""
+    released = []
+    for name, empty in (("_vocab", {}), ("_merges", [])):
+        if getattr(tok, "_tokenizer", None) is not None and isinstance(getattr(tok, name, None), type(empty)):
+            setattr(tok, name, empty)
+            released.append(name)
+    return released
+
+
 class Tokenizer:
     """A thin, typed wrapper over a transformers tokenizer built from a GGUF file."""
 
@@ -49,6 +62,7 @@ class Tokenizer:
                     pass  # a read-only home only costs the next start a conversion
         except Exception as exc:
             raise ModelLoadError(f"the tokenizer in {str(gguf_path)!r} could not be built ({exc})") from exc
+        _release_construction_tables(self._tok)
         if default_template and not getattr(self._tok, "chat_template", None):
             self._tok.chat_template = default_template
         self.eos_token_id: int | None = self._tok.eos_token_id

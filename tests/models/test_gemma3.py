@@ -44,6 +44,12 @@ def test_the_file_is_gemma3_with_local_and_global_layers(gemma_fp32):
     assert [i for i in range(hp.num_layers) if not hp.is_local(i)] == [5, 11, 17]
 
 
+def test_the_tokenizer_without_its_construction_tables_is_transformers_own(gemma_fp32):
+    from tests.models.test_tokenizer import same_as_a_full_tokenizer
+
+    same_as_a_full_tokenizer(gemma_fp32.tokenizer, gemma_fp32.fingerprint)  # 262k tokens, 515k merges
+
+
 def test_golden_logits_and_greedy_tokens_match_transformers(gemma_fp32, gemma_hf):
     from isolab.llm import LLM
     from isolab.sampling_params import SamplingParams

@@ -1,0 +1,48 @@
+"""The tokenizer wrapper (models/tokenizer.py): the construction tables transformers keeps are
+released, and the tokenizer encodes, decodes and templates exactly as one that keeps them."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from isolab.models.gguf_loader import load_gguf
+from isolab.models.tokenizer import Tokenizer, _cache_dir
+
+TEXTS = ["Hello there, how are you doing today?", "Straße, ünïcode and 🙂 emoji", "  leading spaces\nand\ttabs",
+         "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2  # code"]
+
+
+def same_as_a_full_tokenizer(tok: Tokenizer, fingerprint: str) -> None:
+    full = AutoTokenizer.from_pretrained(str(_cache_dir(fingerprint)))
+    if getattr(full, "_vocab", None):  # transformers kept the tables there; ours let them go
+        assert tok.hf._vocab == {} and tok.hf._merges == []
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == list(full(text).input_ids)
+        assert tok.decode(ids, skip_special_tokens=False) == full.decode(ids, skip_special_tokens=False)
+    full.chat_template = tok.hf.chat_template  # (a family's own where the file has none, as ours)
+    msgs = [{"role": "user", "content": TEXTS[0]}]
+    assert tok.apply_chat_template(msgs) == list(full.apply_chat_template(msgs, add_generation_prompt=True,
+                                                                          tokenize=True, return_dict=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_construction_tables_are_released(tmp_path, arch):
+    """Qwen2's and Gemma's tokenizer classes keep them (Gemma 3's 262k tokens made 144 MiB of an idle
+    server); the byte-level one the tiny Llama gets has none."""
+    from isolab.testing.tiny_model import TinySpec, tiny_vocab, write_hf_decoder, write_tiny_llama
+
+    if arch == "llama":
+        path = write_tiny_llama(tmp_path / "tiny.gguf", TinySpec(layers=1, seed=5))
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        path = write_hf_decoder(tmp_path / "tiny-qwen2.gguf", hf, "qwen2")
+    loaded = load_gguf(path)
+    tok = Tokenizer(path, loaded.fingerprint)
+    same_as_a_full_tokenizer(tok, loaded.fingerprint)
+    kept = getattr(AutoTokenizer.from_pretrained(str(_cache_dir(loaded.fingerprint))), "_vocab", None)
+    assert bool(kept) == (arch == "qwen2")  # the case the release is for is the one tested
