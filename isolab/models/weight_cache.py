@@ -46,6 +46,7 @@ from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
 
+
 def _layout_key() -> str:
     """A hash of the code that lays the weights out: the quantized records (kernels/quant.py) and
     the dense panels (kernels.pack_weight, packed_shape, GEMM_PAD_N)."""
@@ -92,10 +93,11 @@ class WeightCache:
         nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
         try:
             if path.stat().st_size == nbytes:
+                mapped = _map(path, shape, dtype)
                 self.hits += 1
-                return _map(path, shape, dtype)
-        except OSError:
-            pass  # not there yet
+                return mapped
+        except (OSError, RuntimeError):  # not there yet (or not mappable: packed again below)
+            pass
         packed = pack()
         assert tuple(packed.shape) == shape and packed.dtype == dtype, (name, tuple(packed.shape), shape)
         try:
@@ -113,12 +115,11 @@ class WeightCache:
                 tmp.unlink(missing_ok=True)
             self.writes += 1
             return _map(path, shape, dtype)  # the file's pages, not this process's copy
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:  # (torch.from_file raises RuntimeError)
             self.failed += 1
             if self.failed == 1:
                 log.warning("packed weights not cached in %s (%s): kept in memory", self.dir, exc)
             return packed
-
 
     def _prune_stale(self) -> None:
         """Remove this file's folders of other packing code (an older isolab's): a process that still
