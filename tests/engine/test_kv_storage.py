@@ -45,3 +45,21 @@ def test_a_written_block_costs_its_pages_not_a_huge_page() -> None:
     assert after["AnonHugePages"] == 0
     assert after["Rss"] - before["Rss"] <= 64, f"{after['Rss'] - before['Rss']} kB resident for one block"
     assert float(pool[:, :, 7].float().mean()) == 1.0 and float(pool[:, :, 6].float().abs().sum()) == 0.0
+
+
+def test_a_block_size_off_the_attention_kernels_fast_paths_is_warned_about(real_bundle, caplog):
+    """--block-size 32 runs attention's generic loop (3x slower steps at 128 concurrent on the Xeon):
+    the engine says so when it starts; the default says nothing."""
+    import logging
+
+    from isolab import kernels
+    from isolab.config import MiB, build_engine_config
+    from isolab.engine.llm_engine import LLMEngine
+
+    if not real_bundle.model.native_kernels:
+        pytest.skip("the native kernels do not run here")
+    for bs, warned in ((kernels.FAST_BLOCK_SIZE, False), (32, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="isolab.engine.llm_engine"):
+            LLMEngine(build_engine_config(block_size=bs, kv_cache_memory=64 * MiB), real_bundle).close()
+        assert any("fast paths are built for 16-token blocks" in r.getMessage() for r in caplog.records) == warned
