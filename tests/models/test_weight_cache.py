@@ -123,3 +123,18 @@ def test_bf16_dense_panels_and_the_embedding_table_are_cached_too(q4_path, tmp_p
                     strict=True):
         assert a.path == b.path == "isolab" and a.n == b.n and torch.equal(a.data, b.data)
     assert torch.equal(logits(plain).view(torch.int32), logits(second).view(torch.int32))
+
+
+def test_a_file_that_cannot_be_mapped_leaves_the_weight_in_memory(q4_path, tmp_path, monkeypatch):
+    from isolab.models import weight_cache
+
+    monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", str(tmp_path))
+    ref = build(q4_path)  # fills the cache
+
+    def refuse(*_):
+        raise RuntimeError("mmap refused")  # as torch.from_file raises
+
+    monkeypatch.setattr(weight_cache, "_map", refuse)
+    m = build(q4_path)
+    assert m.weight_cache.hits == 0 and m.weight_cache.failed == len(weights_of(m))
+    assert torch.equal(logits(ref).view(torch.int32), logits(m).view(torch.int32))
