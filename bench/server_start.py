@@ -2,7 +2,9 @@
 
 Each run starts a fresh `python -m isolab.cli serve` on loopback with the tree's `isolab` first on
 PYTHONPATH (this venv's packages for everything else), polls /health every 50 ms, then reads the
-process's RSS two seconds later (idle) and its peak (VmHWM) from /proc, and stops it. Trees take
+process's RSS two seconds later (idle) and its peak (VmHWM) from /proc, times three chat requests
+of 16 tokens one after another (the first pays what a start leaves to first use), reads the RSS
+again, and stops it. Trees take
 turns, each round starting with the next one, so a drift of the machine does not always land on
 the same tree. Comparing a change with the commit before it:
 
@@ -59,7 +61,22 @@ def one_start(tree: Path, model: str | None, timeout: float, weights: str | None
         ready = time.perf_counter() - t0
         time.sleep(2.0)
         idle, peak = rss_mib(proc.pid)
-        return {"ready_s": round(ready, 2), "idle_rss_mib": idle, "peak_rss_mib": peak}
+        # the first requests after the start (the first pays what was left to first use: mapped
+        # weight pages, lazily built state); 16 tokens each
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            model_id = json.load(r)["data"][0]["id"]
+        body = json.dumps({"model": model_id, "max_tokens": 16,
+                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+        request_ms = []
+        for _ in range(3):
+            t = time.perf_counter()
+            req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+            request_ms.append(round((time.perf_counter() - t) * 1e3, 1))
+        return {"ready_s": round(ready, 2), "idle_rss_mib": idle, "peak_rss_mib": peak,
+                "first_requests_ms": request_ms, "served_rss_mib": rss_mib(proc.pid)[0]}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -94,12 +111,19 @@ def main() -> int:
             run = {"tree": name, **one_start(trees[name], args.model, args.timeout, args.weights)}
             runs.append(run)
             print(f"round {r} {name}: ready in {run['ready_s']:.2f} s, idle RSS {run['idle_rss_mib']} MiB, "
-                  f"peak {run['peak_rss_mib']} MiB", flush=True)
+                  f"peak {run['peak_rss_mib']} MiB; requests {run['first_requests_ms']} ms, then "
+                  f"{run['served_rss_mib']} MiB", flush=True)
     median = {n: {k: statistics.median(x[k] for x in runs if x["tree"] == n)
-                  for k in ("ready_s", "idle_rss_mib", "peak_rss_mib")} for n in names}
+                  for k in ("ready_s", "idle_rss_mib", "peak_rss_mib", "served_rss_mib")} for n in names}
+    for n in names:
+        median[n]["first_request_ms"] = statistics.median(x["first_requests_ms"][0] for x in runs if x["tree"] == n)
+        median[n]["later_requests_ms"] = round(statistics.median(v for x in runs if x["tree"] == n
+                                                                 for v in x["first_requests_ms"][1:]), 1)
     for n in names:
         m = median[n]
-        print(f"{n}: median ready {m['ready_s']:.2f} s, idle {m['idle_rss_mib']} MiB, peak {m['peak_rss_mib']} MiB")
+        print(f"{n}: median ready {m['ready_s']:.2f} s, idle {m['idle_rss_mib']} MiB, peak {m['peak_rss_mib']} MiB, "
+              f"first request {m['first_request_ms']} ms, later ones {m['later_requests_ms']} ms, then "
+              f"{m['served_rss_mib']} MiB")
     commits = {n: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip() for n, t in trees.items()}
     from isolab.models.invariance import cpu_description  # (imports torch: after the timed starts)
