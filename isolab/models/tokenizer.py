@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from isolab.errors import InvalidRequestError, ModelLoadError
+from isolab.paths import user_cache
 
 # Nothing may call out to a model hub at run time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,8 +26,9 @@ END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 
 
 def _cache_dir(fingerprint: str) -> Path:
-    root = Path(os.environ.get("ISOLAB_CACHE", Path.home() / ".cache" / "isolab"))
-    return root / "tokenizers" / fingerprint[:32]
+    """ISOLAB_CACHE/tokenizers where set, else the user cache's (isolab/paths.py)."""
+    folder = Path(os.environ["ISOLAB_CACHE"]) / "tokenizers" if os.environ.get("ISOLAB_CACHE") else user_cache("tokenizers")
+    return folder / fingerprint[:32]
 
 
 def _release_construction_tables(tok: Any) -> list[str]:
