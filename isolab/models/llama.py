@@ -167,7 +167,9 @@ class LlamaModel:
         the invariance check here; a name: that path, checked and reported but kept whatever the
         verdict). weights: "native" keeps the GGUF's quantized blocks and multiplies on them
         (kernels/qgemm.cpp; tensors of other types run dense), "dense" dequantizes every weight to
-        `dtype` (the fp32 dense path is the bit-exact reference of the golden tests)."""
+        `dtype` (the fp32 dense path is the bit-exact reference of the golden tests). Where the
+        native kernels run, the packed weights (native records, bf16 panels) are mapped from
+        models/weight_cache.py's files (self.weight_cache says what it did)."""
         hp = loaded.hparams
         self.hp = hp
         self.dtype = TORCH_DTYPES[dtype]
