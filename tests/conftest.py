@@ -9,6 +9,25 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    """The packed weights the suite's models write go to a folder of this session's, not the user's
+    cache (models/weight_cache.py): each run packs from the GGUFs it tests; the subprocesses share it."""
+    import tempfile
+
+    if "ISOLAB_WEIGHT_CACHE" not in os.environ:
+        config._isolab_weight_cache = tempfile.mkdtemp(prefix="isolab-weights-")
+        os.environ["ISOLAB_WEIGHT_CACHE"] = config._isolab_weight_cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    folder = getattr(config, "_isolab_weight_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("ISOLAB_WEIGHT_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory):
     from isolab.testing.tiny_model import TinySpec, write_tiny_llama

@@ -70,8 +70,7 @@ class LLMEngine:
         self.model = self.bundle.model
         self.max_model_len = min(config.max_model_len or hp.context_length, hp.context_length)
         cc = config.cache
-        if (self.model.native_kernels and self.bundle.dtype == "bf16" and hp.head_dim in kernels.FAST_HEAD_DIMS
-                and cc.block_size != kernels.FAST_BLOCK_SIZE):
+        if self.model.native_kernels and cc.block_size != kernels.FAST_BLOCK_SIZE:
             log.warning("block_size %d: the native attention kernel's fast paths are built for %d-token blocks; "
                         "this engine's attention takes its generic loop (about 3x slower steps at 128 concurrent "
                         "requests on an AMX Xeon)", cc.block_size, kernels.FAST_BLOCK_SIZE)

@@ -66,8 +66,7 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 GEMM_PAD_N = 32  # packed weights have N padded to this (the widest tile of any ISA level)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
-FAST_BLOCK_SIZE = 16  # the K/V block size paged_attention.cpp's fast paths are built for, with
-FAST_HEAD_DIMS = (64, 256)  # these head sizes (64: AMX tiles, AVX512-BF16 row units; 256: Gemma 3's)
+FAST_BLOCK_SIZE = 16  # the K/V block size paged_attention.cpp's fast paths are built for (every dtype and head size)
 
 
 def _cache_dir() -> Path:

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from isolab import kernels
+from isolab.kernels import quant
+from isolab.models import weight_cache
 from isolab.models.gguf_loader import load_gguf
 from isolab.models.linear import QuantWeight
 from isolab.models.llama import LlamaModel
-from isolab.models.weight_cache import CODE_KEY, WeightCache
+from isolab.models.weight_cache import WeightCache, code_key
 
 pytestmark = pytest.mark.skipif(not kernels.native_ready(), reason="native kernels do not build here")
 
@@ -44,10 +46,23 @@ def mapped_files() -> str:
     return Path("/proc/self/maps").read_text()
 
 
+def packed_as_before(path: Path) -> list[QuantWeight]:
+    """Each weight of weights_of's order through QuantWeight's own constructor, as without the cache."""
+    loaded = load_gguf(path)
+    L = loaded.hparams.num_layers
+    stacks = [["token_embd.weight"]] + [[f"blk.{i}.{n}.weight" for n in names] for i in range(L)
+                                        for names in (["attn_q", "attn_k", "attn_v"], ["attn_output"],
+                                                      ["ffn_gate", "ffn_up"], ["ffn_down"])]
+    return [QuantWeight(quant.concat([quant.unpack_gguf(loaded.raw[n].data, loaded.raw[n].qtype, loaded.raw[n].shape)
+                                      for n in names]), torch.device("cpu"), True) for names in stacks]
+
+
 def test_a_second_build_maps_the_records_the_first_packed(q4_path, tmp_path, monkeypatch):
     monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", "off")
     plain = build(q4_path)
     assert plain.weight_cache is not None and plain.weight_cache.dir is None
+    for a, b in zip(packed_as_before(q4_path), weights_of(plain), strict=True):  # the cache's path, off
+        assert torch.equal(a.packed, b.packed) and (a.n, a.fmt, a.fp16, a.qtype) == (b.n, b.fmt, b.fp16, b.qtype)
     monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", str(tmp_path))
     first = build(q4_path)
     n = len(weights_of(first))
@@ -55,7 +70,7 @@ def test_a_second_build_maps_the_records_the_first_packed(q4_path, tmp_path, mon
     second = build(q4_path)
     assert (second.weight_cache.hits, second.weight_cache.writes) == (n, 0)
     folder = second.weight_cache.dir
-    assert folder is not None and folder.parent == tmp_path and folder.name.endswith(CODE_KEY)
+    assert folder is not None and folder.parent == tmp_path and folder.name.endswith(str(code_key()))
     for a, b, c in zip(weights_of(plain), weights_of(first), weights_of(second), strict=True):
         assert torch.equal(a.packed, b.packed) and torch.equal(a.packed, c.packed)
         assert (a.n, a.fmt, a.fp16, a.qtype) == (c.n, c.fmt, c.fp16, c.qtype)
@@ -89,9 +104,23 @@ def test_a_cache_that_cannot_be_written_keeps_the_weights_in_memory(q4_path, tmp
     assert torch.equal(logits(m).view(torch.int32), logits(build(q4_path)).view(torch.int32))
 
 
-def test_the_key_is_the_file_and_the_packing_code(tmp_path):
+def test_the_key_is_the_file_and_the_code_that_shapes_the_bytes(tmp_path, monkeypatch):
     a, b = WeightCache("a" * 64, tmp_path), WeightCache("b" * 64, tmp_path)
-    assert a.dir != b.dir and a.dir.name == f"{'a' * 32}-{CODE_KEY}"
+    assert a.dir != b.dir and a.dir.name == f"{'a' * 32}-{code_key()}"
+    from isolab.models import gguf_loader
+
+    real = weight_cache.inspect.getsource
+    monkeypatch.setattr(weight_cache.inspect, "getsource",
+                        lambda obj: real(obj) + ("# changed" if obj is gguf_loader else ""))
+    assert weight_cache._layout_key() not in (None, code_key())  # the GGUF reader un-permutes q and k
+
+    def no_source(obj):
+        raise OSError("no source")
+
+    monkeypatch.setattr(weight_cache.inspect, "getsource", no_source)
+    assert weight_cache._layout_key() is None  # a build without its .py files: no key, no cache
+    monkeypatch.setattr(weight_cache, "code_key", lambda: None)
+    assert WeightCache("a" * 64, tmp_path).dir is None
     stale, other = tmp_path / f"{'a' * 32}-0123456789abcdef", tmp_path / f"{'b' * 32}-0123456789abcdef"
     for d in (stale, other):
         d.mkdir()
@@ -126,15 +155,29 @@ def test_bf16_dense_panels_and_the_embedding_table_are_cached_too(q4_path, tmp_p
 
 
 def test_a_file_that_cannot_be_mapped_leaves_the_weight_in_memory(q4_path, tmp_path, monkeypatch):
-    from isolab.models import weight_cache
-
     monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", str(tmp_path))
     ref = build(q4_path)  # fills the cache
+    files = {f: f.stat().st_mtime_ns for f in ref.weight_cache.dir.glob("*.bin")}
 
     def refuse(*_):
         raise RuntimeError("mmap refused")  # as torch.from_file raises
 
     monkeypatch.setattr(weight_cache, "_map", refuse)
     m = build(q4_path)
-    assert m.weight_cache.hits == 0 and m.weight_cache.failed == len(weights_of(m))
+    assert m.weight_cache.hits == 0 and m.weight_cache.failed == len(weights_of(m)) and m.weight_cache.writes == 0
+    assert {f: f.stat().st_mtime_ns for f in files} == files  # the whole files stay for the processes that can map
     assert torch.equal(logits(ref).view(torch.int32), logits(m).view(torch.int32))
+
+
+def test_temporaries_a_killed_writer_left_are_swept(tmp_path):
+    import os
+    import time
+
+    cache = WeightCache("c" * 64, tmp_path)
+    cache.dir.mkdir(parents=True)
+    old, fresh = cache.dir / ".w.bin.x.tmp", cache.dir / ".w.bin.y.tmp"
+    for f in (old, fresh):
+        f.write_bytes(b"half a weight")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    cache.records("w", (1, 1, 4), lambda: torch.zeros(1, 1, 4, dtype=torch.uint8))
+    assert not old.exists() and fresh.exists()  # a writer of ten minutes ago is gone; one now may be busy
