@@ -76,8 +76,7 @@ def main() -> int:
     def mb(tensors) -> float:
         return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
 
-    weights = [model.lm_head, *(w for L in model.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down))]
-    held = {"weight blocks MiB": round(sum(getattr(w, "nbytes", 0) or 0 for w in weights) / 2**20, 1),
+    held = {"weight blocks MiB": round(sum(w.nbytes for w in model.linears()) / 2**20, 1),
             "RoPE tables MiB": mb([getattr(model, a) for a in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local")
                                    if hasattr(model, a)])}
     steps = list(stages.items())

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from isolab.bench.workload import WorkloadSpec, make_workload  # noqa: E402
 from isolab.models.bundle import ModelBundle, load_bundle  # noqa: E402
-from isolab.models.linear import QuantWeight, StackedWeight, Weight  # noqa: E402
+from isolab.models.linear import QuantWeight, StackedWeight  # noqa: E402
 
 PREFILL_CHUNK = 512  # rows of a prompt step: the engine's default max_num_batched_tokens
 
@@ -53,21 +53,6 @@ def read_bandwidth(gib: float = 1.0, rounds: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best
-
-
-def linears(bundle: ModelBundle) -> list:
-    m = bundle.model
-    return [m.lm_head] + [w for L in m.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
-
-
-def weight_bytes(w) -> int:
-    """Bytes a GEMM reads of this weight: its blocks (native) or its packed dense panels."""
-    if isinstance(w, StackedWeight):
-        return sum(weight_bytes(p) for p in w.parts)
-    if isinstance(w, QuantWeight):
-        return w.nbytes
-    assert isinstance(w, Weight)
-    return w.data.numel() * w.data.element_size()
 
 
 def in_features(w) -> int:
@@ -85,7 +70,7 @@ def gemm_ms(bundle: ModelBundle, m: int, reps: int = 3) -> float:
     """The step's GEMMs at M = m rows, each weight hot in cache: the sum of each GEMM's best of reps."""
     total = 0.0
     dtype = bundle.model.dtype
-    for w in linears(bundle):
+    for w in bundle.model.linears():
         x = torch.randn(m, in_features(w)).to(dtype)
         w(x)  # warm: its weight into cache
         best = float("inf")
@@ -101,8 +86,7 @@ def kv_bytes_per_token(bundle: ModelBundle, context: float) -> float:
     """K and V bytes a row reads in one decode step at this context, over all layers (local layers
     read at most their window)."""
     hp = bundle.hparams
-    itemsize = torch.tensor([], dtype=bundle.model.dtype).element_size()
-    per_layer_token = 2 * hp.num_kv_heads * hp.head_dim * itemsize
+    per_layer_token = 2 * hp.num_kv_heads * hp.head_dim * bundle.model.dtype.itemsize
     local = hp.gemma and hp.sliding_window
     keys = sum(min(context, hp.sliding_window) if local and hp.is_local(i) else context
                for i in range(hp.num_layers))
@@ -145,7 +129,7 @@ def main() -> int:
     for weights in args.weights.split(","):
         bundle = load_bundle(args.model, weights=weights)
         result["model"] = bundle.path.name
-        wb = sum(weight_bytes(w) for w in linears(bundle))
+        wb = sum(w.nbytes for w in bundle.model.linears())  # bytes a step reads of the weights
         rows = {}
         print(f"\n{bundle.path.name}, {weights} weights: {wb / 2**20:.1f} MiB of weights read a step")
         prefill_ms_per_token = gemm_ms(bundle, PREFILL_CHUNK, reps=1) / PREFILL_CHUNK

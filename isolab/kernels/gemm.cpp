@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include "simd.h"  // amx_ready
+#include "simd.h"  // amx_ready, TileConfig
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -254,15 +254,6 @@ static inline void store_out(O* out, long ldo, const float* acc, int rows, int n
 // chunk order is the same at M = 1 and M = 512), so the AVX-512 chain above is never mixed in.
 // Its bits differ from the fma chain's (another summation order), which is why the ISA level is
 // part of the invariance check's key. Needs K % 32 == 0; other shapes keep the fma chain at every M.
-
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 
 // tmm0-3: C (16 rows x 16 fp32); tmm4-5: A (16 rows x 32 bf16); tmm6-7: B (16 k-pairs x 16 columns x 2)
 static void amx_configure() {

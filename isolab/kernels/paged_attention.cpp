@@ -588,11 +588,7 @@ static bool attend_fast(int G, const T* q, const T* kplane, const T* vplane, con
 // K tile while scoring); tmm4: P (16 rows x 16 keys bf16); tmm5: V (8 key pairs x 16 dims x 2);
 // tmm6-7: Q, dims 0..31 and 32..63 (16 rows x 32 bf16)
 static void attention_amx_configure() {
-    struct alignas(64) {
-        uint8_t palette_id, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } c{};
+    TileConfig c{};  // (simd.h)
     c.palette_id = 1;
     for (int t = 0; t < 8; t++) {
         c.rows[t] = 16;

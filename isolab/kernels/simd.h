@@ -92,6 +92,14 @@ static inline v16f vexp(v16f x) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
+// The tile configuration LDTILECFG reads (palette 1): per tile, its rows and bytes a row.
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
 static inline bool amx_ready() {
     static const bool ok = [] {
         constexpr long ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

@@ -73,6 +73,11 @@ class Weight:
         self.path, self.n, self.data = "isolab", n, packed
         return self
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMM reads of this weight, in its path's layout."""
+        return self.data.numel() * self.data.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T: (M, K) -> (M, N)."""
         if self.path == "isolab":
@@ -165,6 +170,10 @@ class StackedWeight:
     def __init__(self, parts: list[Weight | QuantWeight]) -> None:
         self.parts = parts
         self.n = sum(p.n for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=1)

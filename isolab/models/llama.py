@@ -300,6 +300,10 @@ class LlamaModel:
                                                                    hp.context_length, self.dtype, self.device)
             self.embed_scale = torch.tensor(hp.hidden_size ** 0.5, dtype=self.dtype)
 
+    def linears(self) -> list[Linear]:
+        """Every GEMM's weight: the head, then each layer's wqkv, wo, w_gate_up, w_down."""
+        return [self.lm_head] + [w for L in self.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.hp.rms_eps)

@@ -30,6 +30,7 @@ ISOLAB_WEIGHT_CACHE: a folder to use instead of ~/.cache/isolab/weights, or "off
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -81,14 +82,10 @@ def _dist_version(name: str) -> str:
         return "?"
 
 
-CODE_KEY: str | None = None  # computed on first use (models/llama.py imports this module)
-
-
+@functools.cache
 def code_key() -> str | None:
-    global CODE_KEY
-    if CODE_KEY is None:
-        CODE_KEY = _layout_key() or ""
-    return CODE_KEY or None
+    """_layout_key, computed once, on first use (models/llama.py imports this module)."""
+    return _layout_key()
 
 
 def cache_root() -> Path | None:
@@ -120,7 +117,7 @@ class WeightCache:
         if self.dir is None:
             return pack()
         path = self.dir / (re.sub(r"[^A-Za-z0-9_.+-]", "_", name) + ".bin")
-        nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         try:
             whole = path.stat().st_size == nbytes
         except OSError:

@@ -32,7 +32,7 @@ def build(path: Path) -> LlamaModel:
 
 
 def weights_of(m: LlamaModel) -> list[QuantWeight]:
-    out = [m.lm_head] + [w for L in m.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+    out = m.linears()
     assert all(isinstance(w, QuantWeight) and w.packed is not None for w in out)
     return out  # type: ignore[return-value]
 
@@ -147,9 +147,7 @@ def test_bf16_dense_panels_and_the_embedding_table_are_cached_too(q4_path, tmp_p
     cached = linears + 1 if dtype == "bf16" else 0  # and the table; fp32 (the reference) stays in memory
     assert first.weight_cache.writes == cached and second.weight_cache.hits == cached
     assert torch.equal(plain.embed, second.embed)
-    for a, b in zip([plain.lm_head] + [w for L in plain.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)],
-                    [second.lm_head] + [w for L in second.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)],
-                    strict=True):
+    for a, b in zip(plain.linears(), second.linears(), strict=True):
         assert a.path == b.path == "isolab" and a.n == b.n and torch.equal(a.data, b.data)
     assert torch.equal(logits(plain).view(torch.int32), logits(second).view(torch.int32))
 
