@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from single_stream import rss_mib  # (bench/ is the script's directory: its /proc/PID/status reader)
+from single_stream import chat_once, rss_mib, served_model  # (bench/ is the script's directory)
 
 from isolab.testing.live_server import free_port
 
@@ -64,16 +64,11 @@ def one_start(tree: Path, model: str | None, timeout: float, weights: str | None
         # the first requests after the start (the first pays what was left to first use: mapped
         # weight pages, lazily built state); 16 tokens each
         base = f"http://127.0.0.1:{port}"
-        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
-            model_id = json.load(r)["data"][0]["id"]
-        body = json.dumps({"model": model_id, "max_tokens": 16,
-                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+        model_id = served_model(base)
         request_ms = []
         for _ in range(3):
             t = time.perf_counter()
-            req = urllib.request.Request(base + "/v1/chat/completions", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                r.read()
+            chat_once(base, model_id)
             request_ms.append(round((time.perf_counter() - t) * 1e3, 1))
         return {"ready_s": round(ready, 2), "idle_rss_mib": idle, "peak_rss_mib": peak,
                 "first_requests_ms": request_ms, "served_rss_mib": rss_mib(proc.pid)[0]}
@@ -130,8 +125,8 @@ def main() -> int:
 
     cpu = cpu_description()
     out = Path(args.json or ROOT / f"bench/results/server_start_{args.model or 'default'}.json")
-    out.write_text(json.dumps({"model": args.model, "weights": args.weights, "cpu": cpu, "trees": {n: str(t) for n, t in trees.items()},
-                               "commits": commits, "rounds": args.rounds, "median": median, "runs": runs}, indent=2))
+    out.write_text(json.dumps({"model": args.model, "weights": args.weights, "cpu": cpu,
+                               "trees": {n: str(t) for n, t in trees.items()}, "commits": commits, "rounds": args.rounds, "median": median, "runs": runs}, indent=2))
     print(f"wrote {out}")
     return 0
 

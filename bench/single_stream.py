@@ -21,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 NEW_TOKENS = 128
@@ -128,6 +129,20 @@ def worker_llama(gguf: str, threads: int) -> dict:
     return out
 
 
+def served_model(base: str) -> str:
+    """The first model id an OpenAI-compatible server at `base` lists."""
+    with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+        return str(json.load(r)["data"][0]["id"])
+
+
+def chat_once(base: str, model: str) -> None:
+    """One chat request of 16 new tokens ("Say hello."), read to its end."""
+    body = json.dumps({"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]})
+    req = urllib.request.Request(base + "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+
+
 def server_rss(cmd: list[str], port: int, path: str, timeout: float = 300) -> tuple[float, float] | None:
     """(idle RSS, RSS after one chat request of 16 tokens) of a server, in MiB; None if it did not come up.
     The second figure counts the weight pages a request touches where a server maps them from a file."""
@@ -144,13 +159,10 @@ def server_rss(cmd: list[str], port: int, path: str, timeout: float = 300) -> tu
                 if httpx.get(base + path, timeout=2).status_code == 200:
                     time.sleep(2)  # settle
                     idle = rss_mib(proc.pid)[0]
-                    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-                    r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-                        "model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]})
-                    r.raise_for_status()
+                    chat_once(base, served_model(base))
                     time.sleep(1)
                     return idle, rss_mib(proc.pid)[0]
-            except httpx.HTTPError:
+            except (httpx.HTTPError, OSError):  # (urllib's errors are OSErrors)
                 pass
             time.sleep(0.5)
         return None
