@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "isolab.commands.doctor",
     "isolab.commands.lifecycle",
     "isolab.commands.race",
+    "isolab.commands.cache",
 )
 
 

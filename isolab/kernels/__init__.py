@@ -69,7 +69,8 @@ MAX_HEAD_DIM = 256
 FAST_BLOCK_SIZE = 16  # the K/V block size paged_attention.cpp's fast paths are built for (every dtype and head size)
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where this kind of cache lives (isolab cache lists and clears it)."""
     return user_cache("kernels")
 
 
@@ -264,7 +265,7 @@ def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "nat
     src = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    target = (cache_dir or _cache_dir()) / f"isolab-kernels-{key}.so"
+    target = (cache_dir or cache_root()) / f"isolab-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

