@@ -35,8 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_memory, default=DEFAULT_KV_CACHE_MEMORY,
                    help=f"bytes for the KV pool ({DEFAULT_KV_CACHE_MEMORY // MiB}MiB)")
     g.add_argument("--block-size", type=int, default=16,
-                   help="tokens a K/V block holds (16: the size the native attention kernel's fast paths are "
-                        "built for; other sizes run its generic loop, several times slower under load)")
+                   help="tokens a K/V block holds (16; any multiple of 16 takes the native attention kernel's "
+                        "fast paths, with the same bits; other sizes run its generic loop, several times slower "
+                        "under load)")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)

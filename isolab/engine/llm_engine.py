@@ -70,10 +70,10 @@ class LLMEngine:
         self.model = self.bundle.model
         self.max_model_len = min(config.max_model_len or hp.context_length, hp.context_length)
         cc = config.cache
-        if self.model.native_kernels and cc.block_size != kernels.FAST_BLOCK_SIZE:
-            log.warning("block_size %d: the native attention kernel's fast paths are built for %d-token blocks; "
-                        "this engine's attention takes its generic loop (about 3x slower steps at 128 concurrent "
-                        "requests on an AMX Xeon)", cc.block_size, kernels.FAST_BLOCK_SIZE)
+        if self.model.native_kernels and cc.block_size % kernels.FAST_BLOCK_SIZE:
+            log.warning("block_size %d: the native attention kernel's fast paths are built for blocks of a multiple "
+                        "of %d tokens; this engine's attention takes its generic loop (about 3x slower steps at 128 "
+                        "concurrent requests on an AMX Xeon)", cc.block_size, kernels.FAST_BLOCK_SIZE)
         self.kv_groups = kv_groups(hp, cc.window_cache)
         per_block = bytes_per_block(hp, cc.block_size, self.model.dtype, len(self.kv_groups[0].layers))
         num_blocks = cc.kv_cache_memory // per_block

@@ -66,7 +66,7 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 GEMM_PAD_N = 32  # packed weights have N padded to this (the widest tile of any ISA level)
 MAX_GROUP = 8  # query heads per KV head the kernel's stack buffers hold
 MAX_HEAD_DIM = 256
-FAST_BLOCK_SIZE = 16  # the K/V block size paged_attention.cpp's fast paths are built for (every dtype and head size)
+FAST_BLOCK_SIZE = 16  # paged_attention.cpp's fast paths take K/V blocks of a multiple of this (every dtype and head size)
 
 
 def cache_root() -> Path:

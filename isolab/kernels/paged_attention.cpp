@@ -5,6 +5,10 @@
 //   fp32: K (Dh, bs): 16 keys of one dimension are one vector; V (bs, Dh)
 //   bf16: K (Dh/2, bs, 2) and V (bs/2, Dh, 2): the pairs that one AVX512-BF16 dot product takes
 //         (two dimensions of one key, or one dimension of two keys) side by side
+// A block of bs = 16 f keys (f > 1) is f runs of 16 keys, each laid out as a block of 16 (K: (f, Dh/2,
+// 16, 2) in bf16), and attend_all hands the kernels a table of 16-key blocks: every multiple of 16
+// takes the fast paths below, with the bits of bs = 16. Other block sizes keep the layout above and
+// the generic loop.
 // Each (query row, kv head) is computed in a fixed order that depends only on the row's own query,
 // its keys 0..pos and its block table: never on the batch, the chunking or padding. That is what
 // makes a row's bits independent of what else runs (issue 3, item 7). Keys after `pos` are never
@@ -723,6 +727,17 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
                        T* vplane, const int32_t* tables, int table_len, const int32_t* row_table,
                        const int32_t* q_pos, T* out, int N, int H, int Hkv, long NB, int bs, int Dh, float scale,
                        int window) {
+    if (bs > 16 && bs % 16 == 0) {  // f runs of 16 keys a block: block b's run j is 16-key block b f + j
+        const int f = bs / 16;
+        int R = 0;  // tables in use
+        for (int n = 0; n < N; n++) R = row_table[n] + 1 > R ? row_table[n] + 1 : R;
+        std::vector<int32_t> sub((size_t)R * table_len * f);
+        for (long i = 0; i < (long)R * table_len; i++)
+            for (int j = 0; j < f; j++) sub[i * f + j] = tables[i] * f + j;
+        // a slot b bs + o is slot (b f + o / 16) 16 + o % 16 of the 16-key blocks: the same number
+        return attend_all(q, k_new, v_new, qs, slots, kplane, vplane, sub.data(), table_len * f, row_table, q_pos,
+                          out, N, H, Hkv, NB * f, 16, Dh, scale, window);
+    }
     const int G = H / Hkv;
     int max_len = 0;
     for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;

@@ -70,20 +70,32 @@ def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
       fp32: K block (Dh, bs), so 16 keys of one dimension are one vector; V block (bs, Dh)
       bf16: K block (Dh/2, bs, 2) and V block (bs/2, Dh, 2): the pairs one AVX512-BF16 dot
             product takes (two dimensions of one key; one dimension of two keys) side by side
+      a block of bs = 16 f keys (f > 1) holds f runs of 16 keys, each laid out as a block of 16
+      (the kernel reads them as 16-key blocks: key_run); V's layout is that already
     not native (the torch path): K and V blocks both (bs, Dh), what attention_core reads.
     """
     _, hkv, nb, bs, dh = kv.shape
-    blk, off = slots // bs, slots % bs
     if not native:
         flat = kv.view(2, hkv, nb * bs, dh)
         flat[0].index_copy_(1, slots, k.transpose(0, 1))
         flat[1].index_copy_(1, slots, v.transpose(0, 1))
-    elif kv.dtype == torch.bfloat16:
-        kv[0].view(hkv, nb, dh // 2, bs, 2)[:, blk, :, off, :] = k.view(-1, hkv, dh // 2, 2)  # [h, b, d/2, o, d%2]
-        kv[1].view(hkv, nb, bs // 2, dh, 2)[:, blk, off // 2, :, off % 2] = v  # [h, b, o/2, d, o%2]
+        return
+    r = key_run(bs)
+    run, off = slots // r, slots % r  # the slot's run of r keys in the layer, its place in the run
+    if kv.dtype == torch.bfloat16:
+        kv[0].view(hkv, nb * bs // r, dh // 2, r, 2)[:, run, :, off, :] = k.view(-1, hkv, dh // 2, 2)  # [h, run, d/2, o, d%2]
+        blk, o = slots // bs, slots % bs
+        kv[1].view(hkv, nb, bs // 2, dh, 2)[:, blk, o // 2, :, o % 2] = v  # [h, b, o/2, d, o%2]
     else:
-        kv[0].view(hkv, nb, dh, bs)[:, blk, :, off] = k  # [h, b, d, o]
+        kv[0].view(hkv, nb * bs // r, dh, r)[:, run, :, off] = k  # [h, run, d, o]
         kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
+
+
+def key_run(bs: int) -> int:
+    """Keys a native K run holds: 16 where the block size is a multiple of 16, so that every such
+    block size takes the attention kernel's fast paths with the bits of 16 (paged_attention.cpp);
+    else the whole block."""
+    return 16 if bs % 16 == 0 else bs
 
 
 def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int, *, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +110,11 @@ def gather_kv(kv: torch.Tensor, rows: torch.Tensor, batch: int, *, native: bool 
     nb = got.shape[3]
     if not native:
         return got[0].view(hkv, batch, nb * bs, dh), got[1].view(hkv, batch, nb * bs, dh)
+    runs = nb * bs // key_run(bs)
     if kv.dtype == torch.bfloat16:
-        k = got[0].view(hkv, batch, nb, dh // 2, bs, 2).permute(0, 1, 2, 4, 3, 5)  # -> (.., bs, d/2, 2)
+        k = got[0].view(hkv, batch, runs, dh // 2, key_run(bs), 2).permute(0, 1, 2, 4, 3, 5)  # -> (.., r, d/2, 2)
         v = got[1].view(hkv, batch, nb, bs // 2, dh, 2).permute(0, 1, 2, 3, 5, 4)  # -> (.., o/2, 2, dh)
     else:
-        k = got[0].view(hkv, batch, nb, dh, bs).transpose(-1, -2)
+        k = got[0].view(hkv, batch, runs, dh, key_run(bs)).transpose(-1, -2)
         v = got[1]
     return k.reshape(hkv, batch, nb * bs, dh), v.reshape(hkv, batch, nb * bs, dh)

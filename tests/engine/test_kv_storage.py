@@ -48,8 +48,8 @@ def test_a_written_block_costs_its_pages_not_a_huge_page() -> None:
 
 
 def test_a_block_size_off_the_attention_kernels_fast_paths_is_warned_about(real_bundle, caplog):
-    """--block-size 32 runs attention's generic loop (3x slower steps at 128 concurrent on the Xeon):
-    the engine says so when it starts; the default says nothing."""
+    """--block-size 24 runs attention's generic loop (3x slower steps at 128 concurrent on the Xeon):
+    the engine says so when it starts; the default and other multiples of 16 say nothing."""
     import logging
 
     from isolab import kernels
@@ -58,8 +58,29 @@ def test_a_block_size_off_the_attention_kernels_fast_paths_is_warned_about(real_
 
     if not real_bundle.model.native_kernels:
         pytest.skip("the native kernels do not run here")
-    for bs, warned in ((kernels.FAST_BLOCK_SIZE, False), (32, True)):
+    for bs, warned in ((kernels.FAST_BLOCK_SIZE, False), (64, False), (24, True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="isolab.engine.llm_engine"):
             LLMEngine(build_engine_config(block_size=bs, kv_cache_memory=64 * MiB), real_bundle).close()
-        assert any("fast paths are built for 16-token blocks" in r.getMessage() for r in caplog.records) == warned
+        assert any("fast paths are built for blocks of a multiple of 16" in r.getMessage() for r in caplog.records) == warned
+
+
+def test_multiples_of_16_give_the_default_block_sizes_bits(real_bundle):
+    """The real model, prompts sharing a prefix (cached blocks reread), several in one batch:
+    block sizes 32 and 64 give block size 16's tokens and logprobs, bit for bit (their blocks are
+    runs of 16-key blocks to the attention kernel: tests/kernels/test_native.py)."""
+    from isolab.config import MiB
+    from isolab.llm import LLM
+    from isolab.sampling_params import SamplingParams
+
+    prompts = ["The history of the printing press begins", "The history of the printing press begins in Mainz, where",
+               "Write a haiku about rain on a tin roof.", "List three prime numbers greater than forty:"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for bs in (16, 32, 64):
+        llm = LLM(bundle=real_bundle, block_size=bs, kv_cache_memory=64 * MiB)
+        first = llm.generate(prompts, params)
+        again = llm.generate(prompts[1:2], params)  # its prefix blocks now cached
+        llm.engine.close()
+        runs[bs] = [(o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]) for o in (*first, *again)]
+    assert runs[32] == runs[16] and runs[64] == runs[16]

@@ -57,7 +57,8 @@ def _torch_reference(q, kv, tables, pos):
 
 
 @pytest.mark.parametrize("dname", DTYPES)
-@pytest.mark.parametrize("heads,hkv,dh,bs", [(9, 3, 64, 16), (4, 2, 16, 16), (6, 3, 32, 8), (4, 4, 64, 16)])
+@pytest.mark.parametrize("heads,hkv,dh,bs", [(9, 3, 64, 16), (4, 2, 16, 16), (6, 3, 32, 8), (4, 4, 64, 16),
+                                             (9, 3, 64, 32), (9, 3, 64, 64), (6, 3, 32, 48)])
 def test_paged_attention_matches_the_torch_path(dname, heads, hkv, dh, bs):
     dtype, tol = DTYPES[dname]
     q, kv, tables, pos = _case(dtype, heads, hkv, dh, bs)
@@ -297,3 +298,43 @@ def test_argmax_rows_gives_torch_argmax(dname):
         assert torch.equal(kernels.argmax_rows(x), torch.argmax(x, dim=-1)), (kind, m, v)
     wide = torch.randn(3, 49152, generator=g).to(dtype)  # a vocabulary's width, and a row view
     assert torch.equal(kernels.argmax_rows(wide[1:]), torch.argmax(wide[1:], dim=-1))
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+@pytest.mark.parametrize("f", [2, 4])
+def test_a_block_of_16_f_keys_is_f_blocks_of_16(dname, f):
+    """A block size that is a multiple of 16 lays each block out as f 16-key blocks, in the pool
+    (write_kv and the kernel's own writes agree) and to the kernel, which then runs its fast paths
+    on them: the bits are those of block size 16, whatever the path this CPU takes."""
+    dtype, _ = DTYPES[dname]
+    heads, hkv, dh, rows, nb = 9, 3, 64, 8, 3
+    bs = 16 * f
+    g = torch.Generator().manual_seed(f)
+    num_blocks = rows * nb + 1
+    slots = torch.arange(bs, num_blocks * bs)
+    k = torch.randn(len(slots), hkv, dh, generator=g).to(dtype)
+    v = torch.randn(len(slots), hkv, dh, generator=g).to(dtype)
+    big = torch.zeros(2, hkv, num_blocks, bs, dh, dtype=dtype)
+    small = torch.zeros(2, hkv, num_blocks * f, 16, dh, dtype=dtype)
+    write_kv(big, slots, k, v)
+    write_kv(small, slots, k, v)  # slot b bs + o is slot (b f + o // 16) 16 + o % 16: the same number
+    assert torch.equal(big.flatten(), small.flatten())
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: rows * nb] + 1).view(rows, nb).to(torch.int32)
+    tables16 = (tables.view(rows, nb, 1) * f + torch.arange(f, dtype=torch.int32)).view(rows, nb * f)
+    pos = torch.randint(0, nb * bs, (rows,), generator=g).to(torch.int32)
+    q = torch.randn(rows, heads, dh, generator=g).to(dtype)
+    every = torch.arange(rows, dtype=torch.int32)
+    assert torch.equal(kernels.paged_attention(q, big, tables, every, pos, 0.125),
+                       kernels.paged_attention(q, small, tables16, every, pos, 0.125))
+    # the kernel's own writes (a decode row's new K/V) land where write_kv puts them
+    n = 3 * bs + 5
+    new = slots[:n]
+    qkv = torch.cat([q[:1].expand(n, -1, -1), k[:n], v[:n]], dim=1).reshape(n, -1)  # one (N, W) buffer, as the GEMM's
+    kq, kk, kv_ = (qkv[:, a * dh:b * dh].view(n, -1, dh) for a, b in ((0, heads), (heads, heads + hkv),
+                                                                      (heads + hkv, heads + 2 * hkv)))
+    kernel_pool = torch.zeros_like(big)
+    kernels.paged_attention(kq, kernel_pool, tables[:1], torch.zeros(n, dtype=torch.int32),
+                            torch.zeros(n, dtype=torch.int32), 0.125, new_kv=(kk, kv_, new))
+    ref_pool = torch.zeros_like(big)
+    write_kv(ref_pool, new, k[:n], v[:n])
+    assert torch.equal(kernel_pool, ref_pool)
