@@ -1,13 +1,14 @@
 """Owns `isolab serve`: the OpenAI-compatible server on uvicorn, with keys, limits and a SIGTERM drain.
 
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to --drain-timeout
-seconds, then cancel what is left, stop the engine thread and exit 0. With --replicas N the engines
+seconds, then end what is left (an error event and [DONE]), stop the engine thread and exit 0. With --replicas N the engines
 are Ray Serve replicas behind the same app (isolab.scaleout), torn down after the drain.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-n", type=int, default=16, help="the largest n")
     g.add_argument("--max-queue", type=int, default=256,
                    help="engine requests admitted beyond --max-num-seqs; past that: 429 with Retry-After")
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for running requests; then what is left is ended (an error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     r = p.add_argument_group("scale-out (Ray Serve: pip install 'isolab[ray]'; docs/scaleout.md)")
     r.add_argument("--replicas", type=int, default=None, metavar="N",
@@ -117,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
 def _serve(app: Any, args: argparse.Namespace) -> None:
     from isolab.server.state import server_state
 
+    # uvicorn cancels what is still open FLUSH_S after the drain: the engine has ended it by then
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                               timeout_graceful_shutdown=args.drain_timeout, access_log=False)
-    DrainingServer(uv_config, server_state(app)).run()
+                               timeout_graceful_shutdown=args.drain_timeout + DrainingServer.FLUSH_S, access_log=False)
+    DrainingServer(uv_config, server_state(app), args.drain_timeout).run()
 
 
 def _scale_out(args: argparse.Namespace) -> Any:
@@ -154,13 +156,17 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server that marks the app as draining on the first SIGTERM/SIGINT; uvicorn then
     stops accepting and waits up to timeout_graceful_shutdown for the responses in flight."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    FLUSH_S = 5.0  # after the drain, how long the ended requests' last events have to reach their clients
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_s: float) -> None:
         super().__init__(config)
         self.app_state = state
+        self.drain_s = drain_s
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.app_state.draining:
             logging.getLogger("isolab.server").info("signal %d: draining running requests", sig)
+            self._cut_leftovers_before_the_deadline()
         self.app_state.draining = True
         # As uvicorn's own handler, minus re-raising the signal after shutdown: a completed drain
         # exits 0. A second Ctrl-C still forces the exit.
@@ -168,3 +174,15 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
         else:
             self.should_exit = True
+
+    def _cut_leftovers_before_the_deadline(self) -> None:
+        """uvicorn cancels the responses still open at timeout_graceful_shutdown, which cuts a stream
+        mid-body (no end, no [DONE]). So when the drain time is over the engine ends what is left
+        itself, FLUSH_S before that: each stream then gets its error event ('the server is shutting
+        down') and [DONE], a collected reply its error body."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        backend = self.app_state.engine_loop
+        loop.call_later(self.drain_s, lambda: backend.stop(timeout=0))

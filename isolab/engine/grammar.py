@@ -66,17 +66,20 @@ class GrammarCompiler:
         if hit is not None:
             return hit
         M = self._ll.LLMatcher
-        if spec.kind == "json_schema":
-            text = M.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-        elif spec.kind == "json_object":
-            text = M.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
-        elif spec.kind == "regex":
-            text = M.grammar_from_regex(spec.source)
-        elif spec.kind == "choice":
-            text = M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(spec.source)))
-        else:
-            text = M.grammar_from_lark(spec.source)
-        error = M.validate_grammar(text, self.lltok)
+        try:  # llguidance raises ValueError for what it cannot translate (a schema nested too deep, ...)
+            if spec.kind == "json_schema":
+                text = M.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+            elif spec.kind == "json_object":
+                text = M.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
+            elif spec.kind == "regex":
+                text = M.grammar_from_regex(spec.source)
+            elif spec.kind == "choice":
+                text = M.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in json.loads(spec.source)))
+            else:
+                text = M.grammar_from_lark(spec.source)
+            error = M.validate_grammar(text, self.lltok)
+        except (ValueError, RecursionError) as exc:
+            error = str(exc)
         if error:
             raise InvalidRequestError(f"{spec.field}: the grammar is not valid: {error}", field=spec.field)
         compiled = CompiledGrammar(key, text)

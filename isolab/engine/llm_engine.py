@@ -228,6 +228,7 @@ class LLMEngine:
         error: IsolabError | None = None,
     ) -> RequestOutput:
         finished = req.status.finished
+        error = error if error is not None else req.error
         reason = "error" if error is not None else (req.status.value if finished else None)
         return RequestOutput(
             request_id=req.request_id,

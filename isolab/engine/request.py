@@ -15,6 +15,7 @@ import torch
 
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.hashing import BlockKey
+from isolab.errors import IsolabError
 from isolab.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
     # set iff params.structured: this request's own grammar state (llguidance.LLMatcher), never shared;
     # the sampler masks with it, Scheduler.update advances it by each sampled token
     matcher: Any = None
+    # why the request failed where it is its own doing (a grammar no token continues): its output's error
+    error: IsolabError | None = None
     # Keys of the request's full blocks, chained from the first (see hashing.py).
     block_keys: list[BlockKey] = field(default_factory=list)
 

@@ -30,6 +30,7 @@ from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.request import Request, RequestStatus
 from isolab.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from isolab.engine.stop import check_stop
+from isolab.errors import InvalidRequestError
 
 
 @dataclass
@@ -130,7 +131,16 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> bool:
         grammar_done = False
         if req.matcher is not None:  # this request's own grammar state moves with its own token
-            req.matcher.consume_token(token)
+            if not req.matcher.is_error():
+                req.matcher.consume_token(token)
+            if req.matcher.is_error():  # no token continues it (the sampler ended the row): no valid reply
+                req.error = InvalidRequestError(
+                    f"the output grammar reached a state that no token continues "
+                    f"({str(req.matcher.get_error()).splitlines()[0][:200]}): "
+                    "is the schema satisfiable?", field=getattr(req.params.structured, "field", None))
+                req.stop_reason = "grammar_error"
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                return True
             grammar_done = bool(req.matcher.is_stopped())
         text, new_len = "", 0
         if req.detokenizer is not None:  # only requests with stop strings decode here

@@ -86,7 +86,18 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
+        return self._ids(text, add_special_tokens)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
+        except TypeError:  # the Rust tokenizer's answer to a str it cannot encode as UTF-8
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError("the text holds a lone UTF-16 surrogate; send valid Unicode",
+                                          field="prompt") from None
+            raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return cast(str, self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -113,7 +124,7 @@ class Tokenizer:
             field = "chat_template_kwargs" if extra else "messages"
             raise InvalidRequestError(f"the chat template failed to render: {type(exc).__name__}: {exc}",
                                       field=field) from None
-        return list(self._tok(text, add_special_tokens=False).input_ids)
+        return self._ids(text, False)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Per-token text for logprobs (decoded one token at a time)."""

@@ -129,6 +129,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(state.tokenization.detokenize(body))
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)

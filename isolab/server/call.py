@@ -17,7 +17,7 @@ from typing import Any
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
-from isolab.errors import EngineUnavailable
+from isolab.errors import EngineUnavailable, InvalidRequestError
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
@@ -34,6 +34,8 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError)
+    error_param: str | None = None  # the field that did, at 400
 
 
 @dataclass
@@ -97,7 +99,9 @@ class Call:
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"
-            if o.error is not None or o.finish_reason == "error":
+            if isinstance(o.error, InvalidRequestError):
+                c.error, c.error_status, c.error_param = str(o.error), 400, o.error.field
+            elif o.error is not None or o.finish_reason == "error":
                 c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
                            else "the engine failed this request")
             self.metrics.requests_finished.labels(c.finish_reason).inc()

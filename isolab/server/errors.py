@@ -93,7 +93,7 @@ def validation_error(errors: list[Any]) -> ApiError:
     param = ".".join(str(x) for x in best.get("loc", ()) if x != "body" and not _is_union_tag(x)) or None
     if best.get("type") == "none_required":
         return ApiError(400, f"{param} is not supported", param=param)
-    msg = str(best.get("msg", "invalid"))
+    msg = str(best.get("msg", "invalid")).removeprefix("Value error, ")
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
 
 

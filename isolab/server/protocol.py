@@ -27,6 +27,25 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
+def refuse_lone_surrogates(data: Any, path: str = "") -> None:
+    """A JSON body may escape half of a UTF-16 pair ("\\ud800"): Python keeps it in the string, and no
+    tokenizer or grammar can take it. The first such string is a 400 naming its field."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            name = path or "body"
+            raise RefusedField(name, "", message=f"{name}: the text holds a lone UTF-16 surrogate (half of an escaped "
+                                                  "pair); send valid Unicode") from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            refuse_lone_surrogates(key, path)
+            refuse_lone_surrogates(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            refuse_lone_surrogates(value, f"{path}.{i}")
+
+
 class BaseRequest(BaseModel):
     """What completions and chat requests share: the sampling knobs, the refused and ignored fields."""
 
@@ -36,6 +55,7 @@ class BaseRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_peer_fields(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
         if isinstance(data, dict):
             refused = cls.refused()
             for name in data:
@@ -49,8 +69,20 @@ class BaseRequest(BaseModel):
         model = handler(data)
         if isinstance(data, dict):
             refused = cls.refused()
-            model._ignored = tuple(sorted(k for k in data if k not in cls.model_fields and k not in refused))
+            top = {k for k in data if k not in cls.model_fields and k not in refused}
+            model._ignored = tuple(sorted(top | cls._nested_ignored(data)))
         return model
+
+    @classmethod
+    def _nested_ignored(cls, data: dict[str, Any]) -> set[str]:
+        """Fields inside the body's objects that nobody reads, as 'messages[].name'."""
+        return set()
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> BaseRequest:
+        if self.stream_options is not None and not self.stream:
+            raise RefusedField("stream_options", "", message="stream_options goes with stream: true")
+        return self
 
     @classmethod
     def refused(cls) -> dict[str, str]:
@@ -130,6 +162,16 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this result answers
 
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        """What OpenAI requires of each role: content, except where an assistant turn made tool calls;
+        a tool result names the call it answers."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content" + (" (or tool_calls)" if self.role == "assistant" else ""))
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def for_template(self) -> dict[str, str]:
         """The message as the chat template reads it ('developer' is OpenAI's newer name for 'system';
         earlier tool calls are written as the model is asked to write them)."""
@@ -155,6 +197,18 @@ class ChatCompletionRequest(BaseRequest):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
+
+    @classmethod
+    def _nested_ignored(cls, data: dict[str, Any]) -> set[str]:
+        out = set()
+        read = set(ChatMessage.model_fields) - {"name"}  # a participant's name: the chat templates have no place for it
+        for m in data.get("messages") or ():
+            if isinstance(m, dict):
+                out |= {f"messages[].{k}" for k, v in m.items() if k not in read and v is not None}
+                if isinstance(m.get("content"), list):
+                    out |= {f"messages[].content[].{k}" for part in m["content"] if isinstance(part, dict)
+                            for k in part if k not in ChatContentPart.model_fields}
+        return out
 
 
 # -- replies ----------------------------------------------------------------------------------------

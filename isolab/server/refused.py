@@ -34,8 +34,9 @@ REFUSED: dict[str, str] = {
 
 
 class RefusedField(ValueError):
-    """A field a peer honours and this server does not: the error handler answers 400 naming it."""
+    """A field a peer honours and this server does not (or a value no part of it can take, with its own
+    message): the error handler answers 400 naming it."""
 
-    def __init__(self, name: str, why: str) -> None:
-        super().__init__(f"{name} is not supported by this server: {why}")
+    def __init__(self, name: str, why: str, *, message: str | None = None) -> None:
+        super().__init__(message or f"{name} is not supported by this server: {why}")
         self.name = name

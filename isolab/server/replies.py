@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from isolab.engine.llm_engine import RequestOutput
-from isolab.server.call import Call
+from isolab.server.call import Call, Choice
 from isolab.server.errors import ApiError, error_body
 
 Outputs = asyncio.Queue[RequestOutput]
@@ -44,9 +44,10 @@ async def collected(call: Call, queue: Outputs, request: Request, cleanup: Calla
     finally:
         watcher.cancel()
         cleanup()
-    errors = [c.error for c in call.choices if c.error]
-    if errors:
-        raise ApiError(500, errors[0], type="server_error")
+    failed = [c for c in call.choices if c.error]
+    if failed:
+        raise ApiError(failed[0].error_status, failed[0].error or "", type=_error_type(failed[0]),
+                       param=failed[0].error_param)
     return JSONResponse(call.reply())
 
 
@@ -76,11 +77,15 @@ async def _events(call: Call, queue: Outputs) -> AsyncIterator[str]:
 def _events_of(call: Call, o: RequestOutput) -> list[str]:
     c, piece = call.consume(o)
     if c.error:
-        return [_sse(error_body(c.error, type="server_error"))]
+        return [_sse(error_body(c.error, type=_error_type(c), param=c.error_param))]
     events = [] if piece is None else [_sse(call.chunk(piece))]
     if c.finish_reason is not None:
         events.append(_sse(call.chunk(c.out.finish(c.finish_reason))))
     return events
+
+
+def _error_type(c: Choice) -> str:
+    return "invalid_request_error" if c.error_status == 400 else "server_error"
 
 
 def _sse(obj: Any) -> str:

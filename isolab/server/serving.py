@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from typing import TypeVar
@@ -83,7 +84,7 @@ class Serving:
 
         response = streamed(call, queue, cleanup) if call.stream else await collected(call, queue, request, cleanup)
         if body.ignored_params:  # names only (a value could quote the prompt), header-safe
-            names = ",".join(quote(n[:64], safe="_-.") for n in body.ignored_params[:32])
+            names = ",".join(quote(n[:64], safe="_-.[]") for n in body.ignored_params[:32])
             log.info("ignored fields nobody defines: %s", names)
             response.headers["x-isolab-ignored-params"] = names
         return response
@@ -107,11 +108,12 @@ class Serving:
                 raise ApiError(400, f"tool_choice {plan.tools.mode} constrains the output already; drop "
                                f"{structured.field}", param=structured.field)
             structured = plan.tools.structured
-        if structured is not None:
-            try:  # compile here (cached, shared): a bad schema is a 400 before anything is queued
-                self.grammars.compile(structured)
-            except InvalidRequestError as exc:
-                raise api_error(exc) from None
+        for spec in (structured, plan.tools.check if plan.tools is not None else None):
+            if spec is not None:
+                try:  # compile here (cached, shared): a bad schema is a 400 before anything is queued
+                    self.grammars.compile(spec)
+                except InvalidRequestError as exc:
+                    raise api_error(exc) from None
         params = [self._sampling_params(body, plan, structured, seed_offset=j) for j in range(body.n)]
         response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         choices, engine_requests = [], []
@@ -133,7 +135,7 @@ class Serving:
             return SamplingParams(
                 max_tokens=plan.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=None if body.seed is None else (body.seed + seed_offset) % 2**63, stop=body.stop_list(),
-                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
+                stop_token_ids=self._stop_token_ids(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),
                 min_p=body.min_p, min_tokens=body.min_tokens, structured=structured,
@@ -142,11 +144,19 @@ class Serving:
         except InvalidRequestError as exc:
             raise api_error(exc) from None
 
+    def _stop_token_ids(self, ids: list[int] | None) -> tuple[int, ...]:
+        """Token ids of this vocabulary, or a 400 (as logit_bias's keys)."""
+        for i in ids or ():
+            if i >= self.tok.vocab_size:
+                raise ApiError(400, f"stop_token_ids must be token ids in [0, {self.tok.vocab_size}), not {i}",
+                               param="stop_token_ids")
+        return tuple(ids or ())
+
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         """OpenAI's {"token id": bias} -> ((id, bias), ...); a key that is no token id is a 400."""
         out = []
         for key, value in (bias or {}).items():
-            if not key.strip().isdigit() or int(key) >= self.tok.vocab_size:
+            if not re.fullmatch(r"\s*[0-9]+\s*", key) or int(key) >= self.tok.vocab_size:  # ASCII digits only
                 raise ApiError(400, f"logit_bias keys must be token ids in [0, {self.tok.vocab_size}), not {key!r}",
                                param="logit_bias")
             out.append((int(key), float(value)))

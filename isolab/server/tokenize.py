@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool
+from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from isolab.errors import InvalidRequestError
 from isolab.models.tokenizer import Tokenizer
 from isolab.server.errors import ApiError, api_error
-from isolab.server.protocol import ChatMessage, TokenId
+from isolab.server.protocol import ChatMessage, TokenId, refuse_lone_surrogates
 
 
 class TokenizeRequest(BaseModel):
@@ -31,6 +31,12 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool = True  # prompt only
     add_generation_prompt: StrictBool = True  # messages only
     chat_template_kwargs: dict[str, Any] | None = None  # messages only
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
+        return data
 
 
 class DetokenizeRequest(BaseModel):

@@ -81,6 +81,9 @@ class ToolPlan:
     names: tuple[str, ...]  # the tools a call may name
     system: str  # what the model is shown about the tools
     structured: GrammarSpec | None  # required / named: the grammar of a call
+    # auto: the grammar a call would have, compiled only to check the tools' parameters (a bad schema is
+    # a 400 whatever tool_choice says)
+    check: GrammarSpec | None = None
 
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
@@ -111,7 +114,7 @@ def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel
         one: dict[str, Any] = {"anyOf": [_call_schema(t) for t in tools]}
         schema = {"type": "array", "items": one, "minItems": 1, "maxItems": len(tools)} if parallel else one
         return ToolPlan("required", names, system, GrammarSpec.json_schema(schema, "tool_choice"))
-    return ToolPlan("auto", names, system, None)
+    return ToolPlan("auto", names, system, None, GrammarSpec.json_schema({"anyOf": [_call_schema(t) for t in tools]}, "tools"))
 
 
 def history_text(calls: list[ToolCallIn]) -> str:

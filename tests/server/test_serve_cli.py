@@ -1,5 +1,5 @@
 """`isolab serve` as a process: it refuses to start without keys, and SIGTERM drains running
-requests up to --drain-timeout, cuts what is left, and exits 0."""
+requests up to --drain-timeout, ends what is left (an error event and [DONE]), and exits 0."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class _Stream(threading.Thread):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_sigterm_drains_running_requests_then_cuts_at_the_timeout(tmp_path):
+def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-test": "t1"}))
     port = free_port()
@@ -118,7 +118,10 @@ def test_sigterm_drains_running_requests_then_cuts_at_the_timeout(tmp_path):
     assert medium.events[-1]["usage"]["completion_tokens"] == 16
     drained_at = text.index("draining running requests")
     assert "output_tokens=16" in text[drained_at:], "the medium request had finished before the signal"
-    # the endless one was cut when the drain timeout ran out
-    assert not endless.done
+    # the endless one was ended just before the drain timeout ran out: an error event and [DONE],
+    # not a body cut mid-stream
+    assert endless.done and endless.error is None
+    assert [e["error"]["message"] for e in endless.events if "error" in e] == ["the server is shutting down"]
+    assert "usage" in endless.events[-1]  # include_usage: the usage chunk still closes it
     assert sum(1 for e in endless.events if e.get("choices") and e["choices"][0]["text"]) < 3000
-    assert "timeout graceful shutdown exceeded" in text
+    assert "timeout graceful shutdown exceeded" not in text

@@ -1,0 +1,92 @@
+"""Inputs a black-box QA pass found answered with a 500 or accepted in silence: each is now a 400
+naming its field (or, for a grammar that dead-ends while generating, an error event), and the
+server keeps serving with no block held."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from isolab.server import ServerConfig
+
+H = {"Authorization": "Bearer sk-alice", "content-type": "application/json"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LOOPS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # no finite JSON satisfies it
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tiny_bundle):
+    return server_factory(tiny_bundle, server_config=ServerConfig(max_tokens_limit=64, max_queue=16))
+
+
+def _post(srv, path: str, body: bytes | dict) -> httpx.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=data, headers=H, timeout=120)
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("path,body,param,needle", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt", "lone UTF-16 surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}',
+     "messages.0.content", "lone UTF-16 surrogate"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt", "lone UTF-16 surrogate"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": _nested(200)}, "guided_json", "the grammar is not valid"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"\u0663": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [10**9]}, "stop_token_ids", "token ids"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages.0", "needs content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [*CHAT["messages"], {"role": "tool", "content": "x"}]},
+     "messages.1", "tool_call_id"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}},
+     "stream_options", "stream: true"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "banana"}}}]}, "tools", "the grammar is not valid"),
+])
+def test_bad_input_is_a_400_naming_its_field(srv, path, body, param, needle):
+    r = _post(srv, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error"
+    assert _post(srv, "/v1/chat/completions", CHAT).status_code == 200  # and the server goes on
+
+
+def test_a_grammar_no_token_continues_is_an_error_not_a_stop(srv):
+    body = {"prompt": "x", "max_tokens": 10, "guided_json": LOOPS}
+    r = _post(srv, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_json" and "no token continues" in r.json()["error"]["message"]
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, headers=H, timeout=120) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert "no token continues" in json.loads(lines[-2][6:])["error"]["message"]
+    assert not any('"finish_reason":"stop"' in line.replace(" ", "") for line in lines)
+    srv.wait_idle()
+    assert srv.metrics()["isolab_kv_blocks_used"] == 0
+
+
+def test_names_inside_messages_are_reported_as_ignored(srv):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}], "name": "bob"}]
+    r = _post(srv, "/v1/chat/completions", {**CHAT, "messages": msgs})
+    assert r.status_code == 200
+    assert set(r.headers["x-isolab-ignored-params"].split(",")) == {"messages[].name", "messages[].content[].cache_control"}
+    assert "x-isolab-ignored-params" not in _post(srv, "/v1/chat/completions", CHAT).headers
+
+
+def test_head_health(srv):
+    assert httpx.head(srv.url + "/health").status_code == 200
+
+
+def test_the_offline_api_refuses_a_lone_surrogate_in_one_sentence(tiny_bundle):
+    from isolab.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="lone UTF-16 surrogate"):
+        tiny_bundle.tokenizer.encode("a\ud800")
