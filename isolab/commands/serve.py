@@ -1,8 +1,9 @@
 """Owns `isolab serve`: the OpenAI-compatible server on uvicorn, with keys, limits and a SIGTERM drain.
 
 SIGTERM (or Ctrl-C): stop accepting, let running requests finish for up to --drain-timeout
-seconds, then end what is left (an error event and [DONE]), stop the engine thread and exit 0. With --replicas N the engines
-are Ray Serve replicas behind the same app (isolab.scaleout), torn down after the drain.
+seconds, then end what is left (an error event and [DONE]), stop the engine thread and exit 0.
+With --replicas N the engines are Ray Serve replicas behind the same app (isolab.scaleout), torn
+down after the drain.
 """
 
 from __future__ import annotations
