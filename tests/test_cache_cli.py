@@ -92,3 +92,20 @@ def test_a_cleared_cache_is_rebuilt_with_the_same_output(caches, tiny_path):
     assert again.returncode == 0, again.stderr
     assert again.stdout == first.stdout
     assert json.loads(isolab("cache", "weights", "--json", env=env).stdout)[0]["entries"] == 1
+
+
+def test_a_killed_writers_temporary_is_stale_once_old(caches):
+    """A joined model file a Ctrl-C left half-written (models/locate.py now removes its own): listed
+    as stale after 10 minutes, removed by clear --stale; a fresh one may still be being written."""
+    tmp, env = caches
+    env = {**env, "XDG_CACHE_HOME": str(tmp / "xdg")}
+    models = tmp / "xdg" / "isolab" / "models"
+    models.mkdir(parents=True)
+    old, young = models / "gemma-3-270m-q4_k_m.123.tmp", models / "gemma-3-270m-q4_k_m.456.tmp"
+    for f in (old, young):
+        f.write_bytes(b"x" * 100)
+    os.utime(old, (0, 0))
+    listed = {r["kind"]: r for r in json.loads(isolab("cache", "models", "--json", env=env).stdout)}
+    assert [s["name"] for s in listed["models"]["stale"]] == [old.name]
+    assert isolab("cache", "clear", "--stale", env=env).returncode == 0
+    assert not old.exists() and young.exists()

@@ -94,6 +94,16 @@ def test_bench_repeats_must_be_positive():
     (["race", "bench", "--repeat", "0"], "--repeat must be at least 1"),  # it once ended in a traceback
     (["serve", "--no-auth", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more"),
     (["doctor", "--tie-margin", "nan"], "--tie-margin must be 0 or more"),
+    # found by a black-box QA pass (session 35): each was a traceback, a hang or a silent misreading
+    (["serve", "--no-auth", "--port", "70000"], "--port must be between 0 and 65535"),  # uvicorn took it as 4464
+    (["serve", "--no-auth", "--host", "999.1.1.1"], "does not resolve"),
+    (["serve", "--no-auth", "--replicas", "1", "--replica-gpus", "1"], "GPUs this machine does not have"),  # hung
+    (["serve", "--no-auth", "--replica-threads", "0"], "need --replicas N"),
+    (["generate", "hi", "--device", "foo"], "device 'foo' is not one this engine runs on"),
+    (["generate", "hi", "--device", "meta"], "device 'meta' is not one this engine runs on"),
+    (["generate", "hi", "--kv-cache-memory", "infk"], "is not a size"),
+    (["generate", "hi", "--kv-cache-memory", "999999999999999"], "the KV pool cannot be mapped"),
+    (["generate", "hi", "--trace", "/nonexistent/t.jsonl"], "does not exist"),
 ])
 def test_out_of_range_options_get_one_sentence(args, needle):
     """Refused before any model loads, in one sentence, with exit code 2 (never a hang or a traceback)."""
@@ -105,3 +115,45 @@ def test_out_of_range_options_get_one_sentence(args, needle):
 def test_bench_url_refuses_engine_only_options():
     out = isolab("bench", "--url", "http://127.0.0.1:9", "--repeats", "2")
     assert out.returncode == 2 and "--repeats and --compare" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_port_in_use_is_one_sentence_before_the_model_loads():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        out = isolab("serve", "--no-auth", "--port", str(sock.getsockname()[1]), timeout=60)
+    assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_sentence():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = isolab("generate", "hi", "--device", "cuda", timeout=60)
+    assert out.returncode == 2 and "no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_kernel_isa_level_that_is_not_one_is_refused(tiny_path):
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "isolab.cli", "generate", "hi", "--model", str(tiny_path)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "ISOLAB_KERNEL_ISA": "foo"})
+    assert out.returncode == 2 and "ISOLAB_KERNEL_ISA='foo' is not a level" in out.stderr
+
+
+def test_an_unwritable_cache_still_gets_the_native_kernels(tmp_path, tiny_path):
+    """XDG_CACHE_HOME where no folder can be made (a file there; a read-only home does the same): the
+    kernels are built for the process alone, not turned off."""
+    import os
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING); from isolab import kernels; "
+            "print(kernels.native_ready(), kernels.build_key())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "XDG_CACHE_HOME": str(blocker), "ISOLAB_WEIGHT_CACHE": "off"})
+    assert out.returncode == 0, out.stderr[-800:]
+    assert out.stdout.split()[0] == "True" and "for this process only" in out.stderr

@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ class Kind:
     what: str
     root: Callable[[], Path | None]  # None: this kind is off
     entry: re.Pattern[str]  # the names this kind writes in its folder (temporaries included)
-    stale: Callable[[str], bool] = lambda name: False  # whether this isolab still reads an entry
+    stale: Callable[[Path], bool] = lambda path: False  # whether nothing reads or will read an entry
 
 
 def _weights_root() -> Path | None:
@@ -39,12 +40,21 @@ def _weights_root() -> Path | None:
     return cache_root()
 
 
-def _weights_stale(name: str) -> bool:
+def _weights_stale(path: Path) -> bool:
     """A folder of other packing code than this isolab's (weight_cache.code_key)."""
     from isolab.models.weight_cache import code_key
 
     key = code_key()
-    return key is None or not name.endswith("-" + key)
+    return key is None or not path.name.endswith("-" + key)
+
+
+def _temporary(path: Path) -> bool:
+    """A writer's temporary (NAME.PID.tmp) untouched for 10 minutes: left by a process killed while
+    writing (a younger one may be being written now)."""
+    try:
+        return path.name.endswith(".tmp") and time.time() - path.stat().st_mtime > 600
+    except OSError:
+        return False
 
 
 def _kernels_root() -> Path:
@@ -77,10 +87,10 @@ KINDS: tuple[Kind, ...] = (
     Kind("kernels", "compiled native kernels, one per source, ISA level and compiler", _kernels_root,
          re.compile(r"isolab-kernels-[0-9a-f]+\.so")),
     Kind("invariance", "batch-invariance verdicts, one per CPU, kernel build and library", _invariance_root,
-         re.compile(r"[0-9a-f]+\.json|[0-9a-f]+\.\d+\.tmp")),
+         re.compile(r"[0-9a-f]+\.json|[0-9a-f]+\.\d+\.tmp"), _temporary),
     Kind("tokenizers", "tokenizers built from a GGUF's vocabulary", _tokenizers_root, re.compile(r"[0-9a-f]{32}")),
     Kind("models", "model files joined from pip packages (Gemma 3)", _models_root,
-         re.compile(r"[\w.-]+\.gguf|[\w.-]+\.\d+\.tmp")),
+         re.compile(r"[\w.-]+\.gguf|[\w.-]+\.\d+\.tmp"), _temporary),
 )
 
 
@@ -109,7 +119,7 @@ def entries(kind: Kind) -> list[Entry]:
     out = []
     for path in sorted(root.iterdir()):
         if kind.entry.fullmatch(path.name):
-            out.append(Entry(kind.name, path, _size(path), kind.stale(path.name)))
+            out.append(Entry(kind.name, path, _size(path), kind.stale(path)))
     return out
 
 
@@ -170,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['kind']:<11} {count:>11} {_mib(r['bytes']):>12}  {where}")
         print(f"{'':<11} {r['what']}")
         for s in r["stale"]:
-            print(f"{'':<11} stale (an older isolab's): {s['name']} {_mib(s['bytes'])}")
+            why = "a killed writer's temporary" if s["name"].endswith(".tmp") else "an older isolab's"
+            print(f"{'':<11} stale ({why}): {s['name']} {_mib(s['bytes'])}")
     total = sum(r["bytes"] for r in report)
     stale = sum(s["bytes"] for r in report for s in r["stale"])
     print(f"in all {_mib(total)}" + (f", {_mib(stale)} of it stale: `isolab cache clear --stale` removes it" if stale else ""))

@@ -16,7 +16,7 @@ def parse_memory(text: str) -> int:
         if t and t[-1] in units:
             return int(float(t[:-1]) * units[t[-1]])
         return int(t)
-    except ValueError:
+    except (ValueError, OverflowError):  # (int of an infinite float overflows)
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (try 256MiB or 1GiB)") from None
 
 
@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
+    from isolab.commands.outputs import check_output_path
+
+    check_output_path(args.trace, "--trace")  # before the model loads
     return dict(
         model=args.model,
         dtype=args.dtype,

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise InvalidRequestError(f"--drain-timeout must be 0 or more seconds, not {args.drain_timeout}",
                                   field="drain_timeout")
+    _check_listen(args.host, args.port)
     tenants = load_registry(args.api_keys, no_auth=args.no_auth)
     config = ServerConfig(
         max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
@@ -125,17 +126,45 @@ def _serve(app: Any, args: argparse.Namespace) -> None:
     DrainingServer(uv_config, server_state(app), args.drain_timeout).run()
 
 
+def _check_listen(host: str, port: int) -> None:
+    """The address uvicorn will bind, tried now: a port out of range, a host that does not resolve or
+    an address in use is one sentence before the model loads (uvicorn would take 70000 as 4464, and
+    report the rest with exit 3 after the load)."""
+    import socket
+
+    from isolab.errors import InvalidRequestError
+
+    if not 0 <= port <= 65535:
+        raise InvalidRequestError(f"--port must be between 0 and 65535, not {port}", field="port")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InvalidRequestError(f"--host {host!r} does not resolve ({exc})", field="host") from None
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(addr)
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port") from None
+
+
 def _scale_out(args: argparse.Namespace) -> Any:
     """The replicas' plan, or None for one in-process engine; a missing Ray is one sentence, at once."""
     if args.replicas is None:
-        if args.ray_address or args.replica_threads or args.replica_cpus or args.replica_gpus:
+        if args.ray_address or any(v is not None for v in (args.replica_threads, args.replica_cpus)) or args.replica_gpus:
             from isolab.scaleout import ScaleOutError
 
             raise ScaleOutError("--ray-address and the --replica-* options need --replicas N")
         return None
-    from isolab.scaleout import RoutingConfig, ScaleOut, require_ray
+    from isolab.scaleout import RoutingConfig, ScaleOut, ScaleOutError, require_ray
 
     require_ray()
+    if args.replica_gpus and not args.ray_address:
+        import torch
+
+        if not torch.cuda.is_available():  # a local Ray would wait for a GPU forever
+            raise ScaleOutError("--replica-gpus asks for GPUs this machine does not have; give --ray-address to join "
+                                "a cluster that has them, or leave it at 0")
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // max(1, args.replicas))
     return ScaleOut(replicas=args.replicas, threads_per_replica=threads, ray_address=args.ray_address,
                     cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus, routing=RoutingConfig(policy=args.routing))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import IO, Protocol
 
+from isolab.errors import InvalidRequestError
+
 EVENT_KINDS = ("allocated", "written", "sealed", "hit", "released", "freed", "evicted", "poisoned", "violation")
 
 
@@ -33,7 +35,11 @@ class NullSink:
 
 class JsonlSink:
     def __init__(self, path: str) -> None:
-        self._fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        try:
+            self._fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        except OSError as exc:
+            raise InvalidRequestError(f"cannot write the trace {path!r} ({exc.strerror or exc})",
+                                      field="trace_path") from None
         self.step = 0
 
     def set_step(self, step: int) -> None:

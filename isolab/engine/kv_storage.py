@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from isolab.engine.kv_groups import KVGroup
+from isolab.errors import InvalidRequestError
 from isolab.models.gguf_loader import LlamaHParams
 
 
@@ -92,7 +93,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # ENOMEM: more address space than the OS will map (overcommit rules)
+        raise InvalidRequestError(f"the KV pool cannot be mapped (a layer's share alone is {nbytes / 2**30:,.1f} GiB: "
+                                  f"{exc.strerror or exc}); give a smaller kv_cache_memory",
+                                  field="kv_cache_memory") from None
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where transparent huge pages are "always"
         pages.madvise(mmap.MADV_NOHUGEPAGE)
     # numpy's array holds the mapping, the tensor holds the array: the pages live as long as the tensor

@@ -24,6 +24,7 @@ another fixed chain with its own bits.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -112,15 +113,28 @@ def isa_level() -> str:
     return level
 
 
+_loaded_from: list[Path] = []  # the .so _library loaded (the cache's, or a private build's)
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("ISOLAB_NATIVE", "1") == "0":
         return None
     try:
-        target = build(isa=isa_level())
+        try:
+            target = build(isa=isa_level())
+        except OSError as exc:  # the cache cannot be written (a read-only home): build for this process alone
+            if exc.filename is None or not str(exc.filename).startswith(str(cache_root())):
+                raise
+            log.warning("the kernels' cache %s cannot be written (%s): building them for this process only",
+                        cache_root(), exc.strerror)
+            private = Path(tempfile.mkdtemp(prefix="isolab-kernels-"))
+            atexit.register(shutil.rmtree, private, True)  # a loaded .so needs no file
+            target = build(isa=isa_level(), cache_dir=private)
     except (OSError, subprocess.SubprocessError, BuildError) as exc:
         log.warning("native kernels unavailable, using the torch path (slower): %s", exc)
         return None
+    _loaded_from.append(target)
     lib = ctypes.CDLL(str(target))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     signatures = {
@@ -372,7 +386,7 @@ def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
 @functools.lru_cache(maxsize=1)
 def build_key() -> str:
     """The loaded kernel build (its file name carries the hash of sources, flags, compiler and CPU)."""
-    build_path = build(isa=isa_level())
+    build_path = _loaded_from[0] if _library() is not None and _loaded_from else build(isa=isa_level())
     return build_path.stem
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from isolab import kernels
+from isolab.errors import InvalidRequestError
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, load_gguf
 from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
@@ -39,9 +40,23 @@ class ModelBundle:
 
 
 def pick_device(device: str | None) -> torch.device:
+    """cpu, cuda or cuda:N (None: cuda when present); anything else, or a GPU this process does not
+    have, is an InvalidRequestError."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device {device!r} is not one this engine runs on: cpu, cuda or cuda:N",
+                                  field="device")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            have = f"{count} CUDA device(s)" if count else "no CUDA device (or a torch built without CUDA)"
+            raise InvalidRequestError(f"device {device!r}: this machine has {have}", field="device")
+    return dev
 
 
 def family_template(arch: str) -> str | None:
@@ -90,4 +105,7 @@ def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | Non
     (models/invariance.py). weights: native, dense or auto (resolve_weights)."""
     path = resolve_model_path(model).resolve() if model is not None else resolve_model_path(None)
     dev = pick_device(device)
+    if gemm == "isolab" and not kernels.native_ready():
+        raise InvalidRequestError("gemm isolab needs isolab's native kernels, which are not built here "
+                                  "(ISOLAB_NATIVE=0, or no C++ compiler: the warning above says which)", field="gemm")
     return _load(str(path), dtype, str(dev), gemm, resolve_weights(weights, dev))

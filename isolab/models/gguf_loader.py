@@ -216,8 +216,11 @@ def _open_reader(path: Path):
         raise ModelLoadError(f"model file {str(path)!r} does not exist")
     if not path.is_file():
         raise ModelLoadError(f"model path {str(path)!r} is not a file")
-    with path.open("rb") as fh:
-        magic = fh.read(4)
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:  # no read permission, an I/O error
+        raise ModelLoadError(f"model file {str(path)!r} cannot be read ({exc.strerror or exc})") from None
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{str(path)!r} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
     try:

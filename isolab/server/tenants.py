@@ -143,9 +143,12 @@ def load_registry(path: str | None, *, no_auth: bool, environ: dict[str, str] | 
     keys: dict[str, str] = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is not part of the first key
         except OSError as exc:
             raise InvalidRequestError(f"cannot read the API keys file {path!r} ({exc.strerror})", field="api_keys") from None
+        except UnicodeDecodeError:
+            raise InvalidRequestError(f"the API keys file {path!r} is not UTF-8 text (save it as UTF-8)",
+                                      field="api_keys") from None
         keys.update(parse_keys_text(text, repr(path)))
     if env.get(ENV_VAR):
         for key, tenant in parse_keys_env(env[ENV_VAR]).items():

@@ -153,3 +153,27 @@ def test_truncated_inside_the_vocabulary(tmp_path, key, where):
     with pytest.raises(ModelLoadError, match="corrupt or truncated" + (".*runs past the end of the file"
                                                                         if where.startswith("the last") else "")):
         load_gguf(bad)
+
+
+def test_an_interrupted_join_of_gemmas_parts_leaves_no_temporary(tmp_path, monkeypatch):
+    """Ctrl-C while Gemma 3's pip chunks are joined into the cache (a 250 MB file): the half-written
+    temporary is removed, and the next run joins again from scratch."""
+    from isolab.models import locate
+
+    class Interrupted:
+        def open(self, mode="rb"):
+            import io
+
+            class Reader(io.BytesIO):
+                def read(self, n=-1):
+                    raise KeyboardInterrupt
+
+            return Reader()
+
+    first = tmp_path / "part0"
+    first.write_bytes(b"gguf" * 1000)
+    monkeypatch.setattr(locate, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(locate, "_package_file", lambda pkg, name, hint: first if name.endswith("00") else Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        locate.gemma3_path()
+    assert list((tmp_path / "cache").iterdir()) == []

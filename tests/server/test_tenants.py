@@ -50,6 +50,18 @@ def test_registry_authenticates_and_refuses_empty(tmp_path):
         load_registry(None, no_auth=True, environ={"ISOLAB_API_KEYS": "k1=alice"})
 
 
+def test_a_keys_file_from_a_windows_editor(tmp_path):
+    """A UTF-8 BOM is not part of the first key (it got 401 while the second worked); UTF-16 text is
+    one sentence, not a UnicodeDecodeError."""
+    f = tmp_path / "keys"
+    f.write_bytes("\ufeffk1 alice\nk2 bob\n".encode("utf-8"))
+    reg = load_registry(str(f), no_auth=False, environ={})
+    assert reg.authenticate("k1") == Tenant("alice") and reg.authenticate("k2") == Tenant("bob")
+    f.write_bytes("k1 alice\n".encode("utf-16"))
+    with pytest.raises(InvalidRequestError, match="not UTF-8"):
+        load_registry(str(f), no_auth=False, environ={})
+
+
 def test_tenant_ids_cannot_forge_a_salt_separator():
     with pytest.raises(InvalidRequestError):
         TenantRegistry({"k": "alice|salt:x"})
