@@ -16,6 +16,7 @@ keeps its pages (an unlinked file lives while it is mapped or loaded).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shutil
@@ -164,32 +165,48 @@ def run(args: argparse.Namespace) -> int:
     chosen = [names[n] for n in words] or list(KINDS)
     if action == "clear":
         return _clear(chosen, args.stale, args.json)
-    report = []
-    for kind in chosen:
-        root = kind.root()
-        found = entries(kind)
-        report.append({"kind": kind.name, "what": kind.what, "folder": None if root is None else str(root),
-                       "entries": len(found), "bytes": sum(e.bytes for e in found),
-                       "stale": [{"name": e.path.name, "bytes": e.bytes} for e in found if e.stale]})
+    report = [_report(kind) for kind in chosen]
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps([dataclasses.asdict(r) for r in report], indent=1))
         return 0
     for r in report:
-        where = r["folder"] or "off"
-        count = f"{r['entries']} {'entry' if r['entries'] == 1 else 'entries'}"
-        print(f"{r['kind']:<11} {count:>11} {_mib(r['bytes']):>12}  {where}")
-        print(f"{'':<11} {r['what']}")
-        for s in r["stale"]:
-            why = "a killed writer's temporary" if s["name"].endswith(".tmp") else "an older isolab's"
-            print(f"{'':<11} stale ({why}): {s['name']} {_mib(s['bytes'])}")
-    total = sum(r["bytes"] for r in report)
-    stale = sum(s["bytes"] for r in report for s in r["stale"])
+        count = f"{r.entries} {'entry' if r.entries == 1 else 'entries'}"
+        print(f"{r.kind:<11} {count:>11} {_mib(r.bytes):>12}  {r.folder or 'off'}")
+        print(f"{'':<11} {r.what}")
+        for st in r.stale:
+            why = "a killed writer's temporary" if st.name.endswith(".tmp") else "an older isolab's"
+            print(f"{'':<11} stale ({why}): {st.name} {_mib(st.bytes)}")
+    total = sum(r.bytes for r in report)
+    stale = sum(st.bytes for r in report for st in r.stale)
     print(f"in all {_mib(total)}" + (f", {_mib(stale)} of it stale: `isolab cache clear --stale` removes it" if stale else ""))
     return 0
 
 
+@dataclass(frozen=True)
+class StaleEntry:
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class KindReport:
+    kind: str
+    what: str
+    folder: str | None  # None: the kind is off
+    entries: int
+    bytes: int
+    stale: list[StaleEntry]
+
+
+def _report(kind: Kind) -> KindReport:
+    root, found = kind.root(), entries(kind)
+    return KindReport(kind.name, kind.what, None if root is None else str(root), len(found), sum(e.bytes for e in found),
+                      [StaleEntry(e.path.name, e.bytes) for e in found if e.stale])
+
+
 def _clear(chosen: list[Kind], stale_only: bool, as_json: bool) -> int:
-    removed, failed = [], []
+    removed: list[Entry] = []
+    failed: list[tuple[Entry, OSError]] = []
     for kind in chosen:
         for e in entries(kind):
             if stale_only and not e.stale:
@@ -197,14 +214,14 @@ def _clear(chosen: list[Kind], stale_only: bool, as_json: bool) -> int:
             try:
                 _remove(e.path)
                 removed.append(e)
-            except OSError as exc:
-                failed.append((e, exc))
+            except OSError as err:
+                failed.append((e, err))
     freed = sum(e.bytes for e in removed)
     if as_json:
         print(json.dumps({"removed": [str(e.path) for e in removed], "bytes": freed,
-                          "failed": [{"path": str(e.path), "error": str(exc)} for e, exc in failed]}, indent=1))
+                          "failed": [{"path": str(e.path), "error": str(err)} for e, err in failed]}, indent=1))
     else:
         print(f"removed {len(removed)} {'entry' if len(removed) == 1 else 'entries'}, {_mib(freed)}")
-        for e, exc in failed:
-            print(f"could not remove {e.path}: {exc.strerror or exc}")
+        for e, why in failed:
+            print(f"could not remove {e.path}: {why.strerror or why}")
     return 1 if failed else 0

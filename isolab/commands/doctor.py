@@ -9,7 +9,11 @@ Exit status: 0 when no symptom was found, 1 when one was (the verdict says what 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import shlex
+from collections.abc import Callable, Iterator
 
 from isolab.errors import InvalidRequestError
 
@@ -39,8 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_kwargs(text: str, tiny: bool) -> dict:
+def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
+    """The engine flags in --engine-args, checked as the engine would check them (before any model is
+    written or loaded); with --tiny and no --model, a tiny model written under tiny_dir()."""
     from isolab.commands.common import add_engine_args, llm_kwargs
+    from isolab.commands.outputs import check_output_path
+    from isolab.config import build_engine_config
 
     parser = argparse.ArgumentParser(prog="--engine-args", add_help=False, exit_on_error=False)
     add_engine_args(parser)
@@ -50,49 +58,74 @@ def _engine_kwargs(text: str, tiny: bool) -> dict:
         raise InvalidRequestError(f"--engine-args: {exc}", field="engine_args") from None
     if rest:
         raise InvalidRequestError(f"--engine-args: unknown engine flags {' '.join(rest)}", field="engine_args")
+    try:
+        build_engine_config(**llm_kwargs(ns))  # block size, cache bytes, limits, faults: the engine's own checks
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"--engine-args: {exc}", field="engine_args") from None
+    check_output_path(ns.trace, "--trace")
     if tiny and ns.model is None:
-        import tempfile
-
         import torch
 
         from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 
         torch.set_num_threads(1)  # a model this small is faster on one thread than on shared cores
-        ns.model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(layers=2, seed=1)))
+        ns.model = str(write_tiny_llama(tiny_dir() + "/tiny.gguf", TinySpec(layers=2, seed=1)))
         ns.device = ns.device or "cpu"
     return llm_kwargs(ns)
+
+
+def _check_plot_path(path: str | None, option: str) -> None:
+    """A plot file matplotlib can write: a known image suffix (or none: png), in a writable folder."""
+    from isolab.commands.outputs import check_output_path
+
+    check_output_path(path, option)
+    suffix = os.path.splitext(path or "")[1].lower().lstrip(".")
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in kinds:
+            raise InvalidRequestError(f"{option} {path!r}: name a .png file (or one of {', '.join(sorted(kinds))})",
+                                      field=option)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from isolab.commands.outputs import check_output_path
     from isolab.doctor.experiments import EngineTarget, Target, diagnose
     from isolab.doctor.report import plot_sweep, print_report, write_json
     from isolab.doctor.symptoms import parse_check
     from isolab.doctor.verdict import NO_SYMPTOM, judge
     from isolab.doctor.workload import builtin_workload, load_jsonl
 
+    check_output_path(args.json, "--json")  # before any work: a path that cannot be written is a sentence now
+    _check_plot_path(args.plot, "--plot")
     try:
         concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
         assert concurrencies and min(concurrencies) >= 1
     except (ValueError, AssertionError):
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
-    if not args.tie_margin >= 0:
+    if not (math.isfinite(args.tie_margin) and args.tie_margin >= 0):
         raise InvalidRequestError(f"--tie-margin must be 0 or more nats, not {args.tie_margin}", field="tie_margin")
     checks = [parse_check(c) for c in args.check]
     items = load_jsonl(args.workload) if args.workload else builtin_workload()
-    target: Target
-    if args.base_url:
-        from isolab.doctor.http_target import HttpTarget, parse_field
+    with scratch_folders() as tiny_dir:  # a --tiny model's folder goes when the command ends, however it ends
+        target: Target
+        if args.base_url:
+            from isolab.doctor.http_target import HttpTarget, parse_field
 
-        if args.engine_args:
-            raise InvalidRequestError("give --engine-args or --base-url, not both", field="base_url")
-        target = HttpTarget(args.base_url, model=args.model_name, api_key=args.api_key, scope_field=args.scope_field or None,
-                            no_cache=parse_field(args.no_cache_field) if args.no_cache_field else None)
-    else:
-        target = EngineTarget(_engine_kwargs(args.engine_args, args.tiny))
-    findings = diagnose(target, items, concurrencies=concurrencies, checks=checks, tie_margin=args.tie_margin,
-                        log=lambda s: print(f"  running {s}", file=sys.stderr))
+            if args.engine_args:
+                raise InvalidRequestError("give --engine-args or --base-url, not both", field="base_url")
+            if args.tiny:
+                raise InvalidRequestError("give --tiny or --base-url, not both", field="base_url")
+            target = HttpTarget(args.base_url, model=args.model_name, api_key=args.api_key,
+                                scope_field=args.scope_field or None,
+                                no_cache=parse_field(args.no_cache_field) if args.no_cache_field else None)
+        else:
+            target = EngineTarget(_engine_kwargs(args.engine_args, args.tiny, tiny_dir))
+        findings = diagnose(target, items, concurrencies=concurrencies, checks=checks, tie_margin=args.tie_margin,
+                            log=lambda s: print(f"  running {s}", file=sys.stderr))
     verdict = judge(findings)
     print_report(findings, verdict)
     if args.json:
@@ -100,3 +133,33 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_sweep(findings, args.plot)
     return 0 if verdict.verdict == NO_SYMPTOM else 1
+
+
+@contextlib.contextmanager
+def scratch_folders() -> Iterator[Callable[[], str]]:
+    """Yields make() -> a new temporary folder (isolab-XXXX); every one made is removed when the block
+    ends, however it ends: a return, an error, Ctrl-C, or SIGTERM (a `kill`, a CI timeout), which
+    raises SystemExit in the main thread for the block's length so that the removal runs."""
+    import shutil
+    import signal
+    import tempfile
+    import threading
+
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(tempfile.mkdtemp(prefix="isolab-"))
+        return made[-1]
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        yield make
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)

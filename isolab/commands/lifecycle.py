@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from isolab.commands.outputs import check_output_path
     from isolab.errors import InvalidRequestError
     from isolab.lifecycle.draw import write_html, write_png
     from isolab.lifecycle.trace import completeness, load
@@ -25,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     out = str(args.out)
     if not out.endswith((".png", ".html", ".htm")):
         raise InvalidRequestError(f"--out {out!r}: name a .png or .html file", field="out")
+    check_output_path(out, "--out")  # before reading and drawing: an unwritable path is a sentence now
     trace = load(args.trace)
     if not trace.records:
         raise InvalidRequestError(f"the trace {args.trace} holds no events: was the engine run with --trace?", field="trace")

@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     from isolab.probe.runner import EXIT_USAGE, estimate_requests
     from isolab.probe.scenarios import SCENARIOS
 
+    if args.report:
+        _check_report_folder(args.report)  # before any request: an unwritable --report is a sentence now
     try:
+        _check_numbers(args)
         cfg = ProbeConfig(
             base_url=args.base_url, api_keys=tuple(args.api_key), model=args.model,
             scenarios=tuple(args.scenario or SCENARIOS),
@@ -77,3 +80,30 @@ def run(args: argparse.Namespace) -> int:
         out = write_report(result, Path(args.report))
         print(f"report: {out / 'report.md'}", file=sys.stderr)
     return result.exit_code
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Values that make no sense are refused before any request (ProbeUsageError: one sentence, exit 2)."""
+    import math
+
+    from isolab.probe import ProbeUsageError
+
+    if not (math.isfinite(args.margin) and args.margin >= 0):
+        raise ProbeUsageError(f"--margin must be a finite number of nats, 0 or more, not {args.margin}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ProbeUsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
+    if args.timing != 0 and args.timing < 5:
+        raise ProbeUsageError(f"--timing takes at least 5 samples per group (the KS test needs 5), not {args.timing}; "
+                              "leave it out to skip the timing test")
+    if args.first_blocks < 0:
+        raise ProbeUsageError(f"--first-blocks must be 0 or more, not {args.first_blocks}")
+
+
+def _check_report_folder(path: str) -> None:
+    """--report names a folder that exists or can be made (with its missing parents, as write_report does)."""
+    from isolab.commands.outputs import check_output_path
+
+    p = Path(path)
+    while not p.exists() and p.parent != p and not p.parent.exists():
+        p = p.parent  # the topmost folder write_report would have to create
+    check_output_path(p, "--report", folder=True)

@@ -92,6 +92,24 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
+def _check_output(path: Path | None, option: str, *, plot: bool = False) -> None:
+    """A file the command writes at its end, checked before the work (its missing folders are made
+    then, as the race lab's writers do: here the nearest existing one must be writable)."""
+    from isolab.commands.outputs import check_output_path
+
+    if path is None:
+        return
+    if plot and path.suffix.lower() not in ("", ".png"):
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        if path.suffix.lower().lstrip(".") not in FigureCanvasBase.get_supported_filetypes():
+            raise InvalidRequestError(f"{option} {str(path)!r}: name a .png file", field=option)
+    top = path
+    while not top.parent.exists() and top.parent != top.parent.parent:
+        top = top.parent  # the topmost missing folder: it will be made in the nearest existing one
+    check_output_path(top, option, folder=top is not path)
+
+
 def _stress(args: argparse.Namespace) -> int:
     from isolab.race import report
     from isolab.race.checkers import VARIANTS, parse_variants
@@ -103,6 +121,8 @@ def _stress(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--repeat must be at least 1")
     for n in thread_counts:  # validate before the first run
         StressConfig(n, args.requests, args.right_share, args.switch_interval)
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot", plot=True)
 
     def progress(r) -> None:
         print(f"  {r.variant:<20} threads={r.threads:<3} run {r.repeat + 1}: false accepts {r.false_accepts:>5}, "
@@ -138,6 +158,7 @@ def _explore(args: argparse.Namespace) -> int:
             or (args.time_limit is not None and args.time_limit <= 0):
         raise InvalidRequestError("--max-executions, --max-steps, --max-bytecodes, --time-limit and --stall-seconds "
                                   "must be positive")
+    _check_output(args.save, "--save")
     if args.replay is not None:
         return run_replay(args.target, args.replay, args.times, limits_of(args))
     if not args.target:
@@ -147,9 +168,12 @@ def _explore(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from isolab.race.bench import run_bench
+    from isolab.race.stress import StressConfig
 
     if args.repeat < 1:
         raise InvalidRequestError("--repeat must be at least 1")
+    StressConfig(args.threads, args.requests)  # --threads and --requests, before the first run
+    _check_output(args.json, "--json")
     run_bench(args.requests, args.repeat, args.threads, args.json)
     return 0
 

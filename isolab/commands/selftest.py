@@ -5,12 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from isolab.commands.common import add_engine_args
 
+if TYPE_CHECKING:
+    from isolab.models.bundle import ModelBundle
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("selftest", help="inject each fault and show which checks catch it (healthy engine: none)")
+    p = sub.add_parser("selftest", help="inject each fault and show which checks catch it (healthy engine: none)",
+                       description="Inject each fault and show which checks catch it. Of the engine flags, selftest "
+                                   "takes --model, --dtype, --weights, --device and --gemm; each fault scenario sets "
+                                   "up the rest of its engines itself, so the others are refused.")
     p.add_argument("--tiny", action="store_true", help="use a tiny random model written to GGUF (seconds, not minutes)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
@@ -18,24 +25,57 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import tempfile
+# Engine flags selftest does not take: every scenario builds its own engines, with the pool, block
+# size and limits its fault needs, and runs each one with and without the fault and with and without
+# audit; --fault picks scenarios. (option, dest): refused with a sentence when not the default.
+_NOT_TAKEN = (("--block-size", "block_size"), ("--kv-cache-memory", "kv_cache_memory"),
+              ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
+              ("--max-model-len", "max_model_len"), ("--no-prefix-cache", "no_prefix_cache"),
+              ("--no-window-cache", "no_window_cache"), ("--audit", "audit"), ("--inject-fault", "inject_fault"),
+              ("--trace", "trace"))
 
+
+def _refuse_untaken_flags(args: argparse.Namespace) -> None:
+    from isolab.errors import InvalidRequestError
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    defaults = parser.parse_args([])
+    for option, dest in _NOT_TAKEN:
+        if getattr(args, dest) != getattr(defaults, dest):
+            hint = "; use --fault to pick scenarios" if dest == "inject_fault" else ""
+            raise InvalidRequestError(f"selftest does not take {option}: each fault scenario builds its own engines "
+                                      f"(with and without the fault, with and without audit){hint}", field=dest)
+    if args.tiny and args.model is not None:
+        raise InvalidRequestError("give --tiny or --model, not both", field="model")
+
+
+def run(args: argparse.Namespace) -> int:
+    from isolab.commands.doctor import scratch_folders
+    from isolab.commands.outputs import check_output_path
+    from isolab.faults import validate_faults
+    from isolab.models.bundle import load_bundle
+
+    _refuse_untaken_flags(args)
+    validate_faults(frozenset(args.fault))
+    check_output_path(args.json, "--json")  # before any work: a path that cannot be written is a sentence now
+    with scratch_folders() as scratch:  # a --tiny model's folder goes when the command ends, however it ends
+        if args.tiny:
+            from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+            model = str(write_tiny_llama(scratch() + "/tiny.gguf", TinySpec(seed=1)))
+        else:
+            model = args.model
+        return _run(args, load_bundle(model, args.dtype, args.device, gemm=args.gemm, weights=args.weights))
+
+
+def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from isolab.engine.selftest import SCENARIOS, run_scenario
-    from isolab.faults import FAULTS, validate_faults
-    from isolab.models.bundle import load_bundle
+    from isolab.faults import FAULTS
 
-    validate_faults(frozenset(args.fault))
-    if args.tiny:
-        from isolab.testing.tiny_model import TinySpec, write_tiny_llama
-
-        model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(seed=1)))
-    else:
-        model = args.model
-    bundle = load_bundle(model, args.dtype, args.device, weights=args.weights)
     console = Console(stderr=False)
     numerics = bundle.model.numerics
     console.print(f"numerics: {numerics.summary()}")

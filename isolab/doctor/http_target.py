@@ -31,12 +31,24 @@ def parse_field(spec: str) -> dict:
         return {key: value}
 
 
+def _one_line(text: str) -> str:
+    """A server's text (an HTML error page, say) as one line for a one-sentence error."""
+    return " ".join(text.split())
+
+
 class HttpTarget:
     exact = False
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  scope_field: str | None = "cache_salt", no_cache: dict | None = None, stagger_s: float = 0.02,
                  timeout_s: float = 120.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        try:
+            url = httpx.URL(base_url)
+        except (httpx.InvalidURL, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"--base-url {base_url!r} is not a URL ({exc})", field="base_url") from None
+        if url.scheme not in ("http", "https") or not url.host:
+            raise InvalidRequestError(f"--base-url {base_url!r} is not an http:// or https:// URL, e.g. "
+                                      "http://127.0.0.1:8000", field="base_url")
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
@@ -49,6 +61,7 @@ class HttpTarget:
         self.timeout_s = timeout_s
         self.transport = transport
         self.history: list[tuple[Item, Result]] = []
+        self.checked = False  # connect() has reached the server once
         self.name = f"OpenAI-compatible server at {self.base_url}"
 
     def numerics(self) -> tuple[str, bool] | None:
@@ -71,11 +84,41 @@ class HttpTarget:
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout_s, transport=self.transport)
 
+    def connect(self) -> None:
+        """Reach the server once before any work (as `isolab probe` does): an unreachable server, a
+        refused key, or one that is not OpenAI-compatible is one sentence (InvalidRequestError)."""
+        async def go() -> None:
+            async with self._client() as client:
+                await self._discover(client)
+
+        asyncio.run(go())
+        self.checked = True
+
+    async def _discover(self, client: httpx.AsyncClient) -> None:
+        """GET /models: the key is accepted, and the model is --model-name or the first one listed."""
+        where = f"{self.base_url}/models"
+        try:
+            r = await client.get("/models")
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise InvalidRequestError(f"cannot reach {self.base_url} ({type(exc).__name__}: "
+                                      f"{_one_line(str(exc)) or 'no answer'})", field="base_url") from None
+        if r.status_code in (401, 403):
+            raise InvalidRequestError(f"{where} refused the key (HTTP {r.status_code}): pass the server's --api-key",
+                                      field="api_key")
+        if self.model is None:
+            try:
+                model = r.json()["data"][0]["id"] if r.status_code == 200 else None
+            except (ValueError, KeyError, IndexError, TypeError):
+                model = None
+            if not isinstance(model, str) or not model:
+                raise InvalidRequestError(f"{where} gave no model (HTTP {r.status_code}): is it an OpenAI-compatible "
+                                          "server? If so, pass --model-name", field="base_url")
+            self.model = model
+
     async def _model(self, client: httpx.AsyncClient) -> str:
         if self.model is None:
-            r = await client.get("/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
+            await self._discover(client)
+        assert self.model is not None
         return self.model
 
     async def _complete(self, client: httpx.AsyncClient, it: Item, cache: bool) -> Result:
@@ -90,21 +133,27 @@ class HttpTarget:
         try:
             r = await client.post("/completions", json=body)
         except httpx.HTTPError as exc:
-            return Result(it.item_id, (), (), (), "", 0, f"transport error: {exc}")
+            return Result(it.item_id, (), (), (), "", 0, f"transport error: {type(exc).__name__}: {_one_line(str(exc))}")
         if r.status_code != 200:
-            return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {r.text[:200]}")
-        data = r.json()
-        ch = data["choices"][0]
-        lp = ch.get("logprobs") or {}
-        tokens = tuple(lp.get("tokens") or ()) or (ch["text"],)
-        top = tuple(dict(t or {}) for t in (lp.get("top_logprobs") or ()))
-        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-        return Result(it.item_id, tokens, tuple(x for x in (lp.get("token_logprobs") or ()) if x is not None), top,
-                      ch["text"], int(details.get("cached_tokens") or 0))
+            return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {_one_line(r.text[:200])}")
+        try:
+            data = r.json()
+            ch = data["choices"][0]
+            lp = ch.get("logprobs") or {}
+            tokens = tuple(lp.get("tokens") or ()) or (ch["text"],)
+            top = tuple(dict(t or {}) for t in (lp.get("top_logprobs") or ()))
+            details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+            return Result(it.item_id, tokens, tuple(x for x in (lp.get("token_logprobs") or ()) if x is not None), top,
+                          ch["text"], int(details.get("cached_tokens") or 0))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return Result(it.item_id, (), (), (), "", 0,
+                          f"HTTP 200 but not an OpenAI completion: {_one_line(r.text[:200])}")
 
     def prepare(self, items: Sequence[Item]) -> list[Item]:
         if not all(isinstance(it.prompt, str) for it in items):
             raise InvalidRequestError("a server workload needs text prompts", field="workload")
+        if not self.checked:
+            self.connect()
         return list(items)
 
     def variant(self, items: Sequence[Item], seed: int) -> list[Item]:

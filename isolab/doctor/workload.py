@@ -109,6 +109,9 @@ def load_jsonl(path: str | Path) -> list[Item]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise InvalidRequestError(f"cannot read the workload {path}: {exc.strerror}", field="workload") from None
+    except UnicodeDecodeError:
+        raise InvalidRequestError(f"the workload {path} is not UTF-8 text: write one JSON object a line",
+                                  field="workload") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -78,6 +78,8 @@ def read_records(path: str | Path) -> list[dict]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise InvalidRequestError(f"cannot read the trace {path}: {exc.strerror}", field="trace") from None
+    except UnicodeDecodeError:
+        raise InvalidRequestError(f"{path} is not UTF-8 text: is it a trace written by --trace?", field="trace") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -86,12 +88,24 @@ def read_records(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except ValueError:
             raise InvalidRequestError(f"{path} line {n} is not JSON: is it a trace written by --trace?", field="trace") from None
-        if not isinstance(rec, dict) or any(k not in rec for k in REQUIRED) or rec["event"] not in EVENT_KINDS:
+        if not _is_event(rec):
             raise InvalidRequestError(
-                f"{path} line {n} is not a block event (needs {', '.join(REQUIRED)} and a known event)", field="trace"
+                f"{path} line {n} is not a block event (needs {', '.join(REQUIRED)}, a known event, integer step "
+                "and block, text or null request and scope)", field="trace"
             )
         out.append(rec)
     return out
+
+
+def _is_event(rec: object) -> bool:
+    """The shape build() relies on: integer step, block (and refs), a known event, text-or-null names."""
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return (isinstance(rec, dict) and all(k in rec for k in REQUIRED) and isinstance(rec["event"], str)
+            and rec["event"] in EVENT_KINDS and whole(rec["step"]) and whole(rec["block"])
+            and all(rec[k] is None or isinstance(rec[k], str) for k in ("request", "scope"))
+            and ("refs" not in rec or whole(rec["refs"])))
 
 
 def build(records: list[dict]) -> Trace:

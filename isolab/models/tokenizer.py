@@ -124,7 +124,7 @@ class Tokenizer:
             field = "chat_template_kwargs" if extra else "messages"
             raise InvalidRequestError(f"the chat template failed to render: {type(exc).__name__}: {exc}",
                                       field=field) from None
-        return self._ids(text, False)
+        return self._ids(cast(str, text), False)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Per-token text for logprobs (decoded one token at a time)."""

@@ -6,6 +6,7 @@ Knows neither the command line nor the report formats; the progress callback is 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ class ProbeConfig:
             raise ProbeUsageError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
         if self.sizes.max_tokens < 2 or self.sizes.flood < 1:
             raise ProbeUsageError("--max-tokens must be at least 2 and --flood at least 1")
+        if self.sizes.timing_samples < 0 or self.sizes.first_blocks < 0:
+            raise ProbeUsageError("--timing and --first-blocks must be 0 or more")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ProbeUsageError(f"--timeout must be a positive number of seconds, not {self.timeout_s}")
 
 
 @dataclass

@@ -20,6 +20,7 @@ in tokens or logprobs is contamination.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -56,8 +57,11 @@ class Thresholds:
     alpha: float = 1e-3  # significance for the timing test
 
     def __post_init__(self) -> None:
-        if self.margin < 0 or self.cached_slack < 0 or not 0 < self.alpha < 1:
-            raise ValueError("margin and cached_slack must be >= 0 and alpha in (0, 1)")
+        # (written so that NaN fails every test: `nan < 0` is False)
+        if not (math.isfinite(self.margin) and self.margin >= 0):
+            raise ValueError(f"the margin must be a finite number of nats, 0 or more, not {self.margin}")
+        if not self.cached_slack >= 0 or not 0 < self.alpha < 1:
+            raise ValueError("cached_slack must be >= 0 and alpha in (0, 1)")
 
 
 # -- comparing two greedy runs --------------------------------------------------------------------

@@ -14,6 +14,7 @@ import hmac
 import http.client
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -79,11 +80,29 @@ class RateLimiter:
             return True
 
 
+def check_settings(port: int, max_attempts: int, window: float) -> None:
+    """The service's numbers, refused with a sentence when they make no sense: a TCP port (0: any free
+    one), attempts per window (0: no limit), and a window of positive, finite seconds."""
+    if not 0 <= port <= 65535:
+        raise InvalidRequestError(f"--port must be between 0 and 65535 (0: any free port), not {port}", field="port")
+    if max_attempts < 0:
+        raise InvalidRequestError(f"--max-attempts must be 0 (no limit) or more, not {max_attempts}",
+                                  field="max_attempts")
+    if not (math.isfinite(window) and window > 0):
+        raise InvalidRequestError(f"--window must be a positive number of seconds, not {window}", field="window")
+
+
 def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int = 0, max_attempts: int = 10,
                 window: float = 60.0, scrypt_n: int = 2**14) -> ThreadingHTTPServer:
+    check_settings(port, max_attempts, window)
     spec = get_variant(variant)
     hasher = Hasher(secrets.token_bytes(16), scrypt_n)
-    checker = spec.factory(cast(Any, hasher.digest(passcode)))  # the checker never sees the passcode text
+    try:
+        secret = hasher.digest(passcode)
+    except (ValueError, MemoryError) as exc:  # OpenSSL's scrypt refuses a cost whose memory is over its limit
+        raise InvalidRequestError(f"--scrypt-n {scrypt_n} is too costly for scrypt ({exc}): try 16384 (2**14)",
+                                  field="scrypt_n") from None
+    checker = spec.factory(cast(Any, secret))  # the checker never sees the passcode text
     limiter = RateLimiter(max_attempts, window)
 
     class Handler(BaseHTTPRequestHandler):
@@ -137,12 +156,16 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
             log.info("%s check accepted=%s", self.client_address[0], accepted)
             self._reply(200, {"accepted": accepted})
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:  # in use, not this machine's address, a port below 1024 without the right
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port") from None
     server.daemon_threads = True
     return server
 
 
 def serve_forever(variant: str, host: str, port: int, max_attempts: int, window: float, scrypt_n: int) -> int:
+    check_settings(port, max_attempts, window)
     passcode = os.environ.get("ISOLAB_PASSCODE")
     if not passcode:
         raise InvalidRequestError("set ISOLAB_PASSCODE to the passcode the service should accept")

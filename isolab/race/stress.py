@@ -20,6 +20,7 @@ from isolab.race.checkers import Variant
 
 RIGHT = "open-sesame"  # lab constants; never printed by the harness
 WRONG = "open-barley"
+MAX_THREADS = 1024  # threads per run: far past where a race shows, well under a process's usual limits
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class StressConfig:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise InvalidRequestError("threads must be at least 1", field="threads")
+        if self.threads > MAX_THREADS:
+            raise InvalidRequestError(f"threads must be at most {MAX_THREADS} (a race shows with a handful; "
+                                      f"{self.threads} would exhaust the process's threads)", field="threads")
         if self.requests < self.threads:
             raise InvalidRequestError("requests must be at least the number of threads", field="requests")
         if not 0.0 <= self.right_share <= 1.0:
@@ -80,7 +84,10 @@ def run_once(variant: Variant, config: StressConfig, repeat: int = 0) -> RunResu
     def worker(index: int, candidate: str, n: int) -> None:
         accepts = 0
         check = checker.check
-        barrier.wait()
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:  # the run was called off before it began
+            return
         for _ in range(n):
             if check(candidate):
                 accepts += 1
@@ -97,10 +104,21 @@ def run_once(variant: Variant, config: StressConfig, repeat: int = 0) -> RunResu
     old_interval = sys.getswitchinterval()
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
+    started: list[threading.Thread] = []
     try:
-        for w in workers:
-            w.start()
-        barrier.wait()
+        try:
+            for w in workers:
+                w.start()
+                started.append(w)
+            barrier.wait()
+        except BaseException as exc:  # a thread the system will not start, or Ctrl-C: call the run off
+            barrier.abort()  # the started workers leave at the barrier instead of waiting for the rest
+            for w in started:
+                w.join()
+            if isinstance(exc, RuntimeError) and len(started) < config.threads:  # "can't start new thread"
+                raise InvalidRequestError(f"could start only {len(started)} of {config.threads} threads ({exc}): "
+                                          "ask for fewer --threads", field="threads") from None
+            raise
         start = time.perf_counter()
         for w in workers:
             w.join()

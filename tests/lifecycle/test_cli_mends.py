@@ -1,0 +1,72 @@
+"""`isolab lifecycle` on bad input: a file that is not text, records of the wrong types, and an --out
+that cannot be written are each one sentence and exit 2, never a stack trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GOOD = {"step": 1, "event": "allocated", "block": 3, "request": "A", "scope": None, "generation": 0}
+
+
+def isolab(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_sentence(out: subprocess.CompletedProcess, needle: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("isolab: error: ") and needle in out.stderr, out.stderr
+
+
+def test_a_binary_file_is_one_sentence(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(128, 256)))
+    one_sentence(isolab("lifecycle", str(trace), "--out", str(tmp_path / "x.png")), "is not UTF-8 text")
+
+
+@pytest.mark.parametrize("change", [{"step": "a"}, {"block": "3"}, {"block": None}, {"event": ["freed"]},
+                                   {"request": 5}, {"refs": "1"}, {"step": 1.5}], ids=str)
+def test_records_of_the_wrong_types_are_one_sentence(tmp_path, change):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "event": "released", **change}) + "\n")
+    one_sentence(isolab("lifecycle", str(trace), "--out", str(tmp_path / "x.png")), "line 2 is not a block event")
+
+
+@pytest.fixture
+def trace(tmp_path):
+    t = tmp_path / "t.jsonl"
+    t.write_text(json.dumps(GOOD) + "\n")
+    return t
+
+
+@pytest.mark.parametrize("out", ["/nonexistent/x.png", "AFILE/x.png", "AFILE/x.html", "DIR.png"])
+def test_an_out_that_cannot_be_written_is_one_sentence(tmp_path, trace, out):
+    (tmp_path / "afile").write_text("a file, not a folder")
+    (tmp_path / "DIR.png").mkdir()
+    out = out.replace("AFILE", str(tmp_path / "afile")).replace("DIR", str(tmp_path / "DIR"))
+    result = isolab("lifecycle", str(trace), "--out", out)
+    one_sentence(result, "--out")
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_out_in_a_read_only_folder_is_one_sentence(tmp_path, trace):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        one_sentence(isolab("lifecycle", str(trace), "--out", str(ro / "x.png")), "cannot be written")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_good_trace_still_draws(tmp_path, trace):
+    out = isolab("lifecycle", str(trace), "--out", str(tmp_path / "x.html"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "x.html").exists()
