@@ -56,23 +56,9 @@ def _no_abbreviations(parser: argparse.ArgumentParser) -> None:
                 _no_abbreviations(child)
 
 
-def _check_kernel_isa() -> None:
-    """ISOLAB_KERNEL_ISA set to a level that is not one, or that this CPU lacks: one sentence, at once
-    (the kernels would otherwise stay off with a warning and every command run on torch's paths)."""
-    if not os.environ.get("ISOLAB_KERNEL_ISA"):
-        return
-    from isolab.errors import InvalidRequestError
-    from isolab.kernels import BuildError, isa_level
-
-    try:
-        isa_level()
-    except BuildError as exc:
-        raise InvalidRequestError(str(exc), field="ISOLAB_KERNEL_ISA") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # Model output on a terminal or pipe that cannot encode it (PYTHONIOENCODING=ascii, a C locale):
-    # a replacement character, not a UnicodeEncodeError after the work is done.
+    # a '?' in its place, not a UnicodeEncodeError after the work is done.
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:
         reconfigure(errors="replace")
@@ -82,7 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _check_kernel_isa()
         return int(args.func(args) or 0)
     except IsolabError as exc:
         if os.environ.get("ISOLAB_DEBUG"):

@@ -35,6 +35,13 @@ class InvalidRequestError(IsolabError, ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self) -> tuple:  # pickled with its field (a replica's output crosses to the ingress)
+        return _invalid_request, (type(self), str(self), self.field)
+
+
+def _invalid_request(cls: type[InvalidRequestError], message: str, field: str | None) -> InvalidRequestError:
+    return cls(message, field=field)
+
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) cannot fit in the model's context or in the KV cache."""

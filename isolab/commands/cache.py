@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +60,25 @@ def _temporary(path: Path) -> bool:
         return False
 
 
+def _kernels_stale(path: Path) -> bool:
+    """A build of other sources or another compiler than any ISA level of this isolab's, or a killed
+    build's folder; nothing is stale where no compiler says what the current builds are."""
+    if path.is_dir():
+        return _temporary(path)
+    current = _current_kernels()
+    return current is not None and path.name not in current
+
+
+@functools.cache
+def _current_kernels() -> frozenset[str] | None:
+    from isolab import kernels
+
+    try:
+        return frozenset(kernels.build_target(isa=level)[0].name for level in (*kernels.isa_levels(), "native"))
+    except (kernels.BuildError, OSError, subprocess.SubprocessError):
+        return None  # no compiler: what is current is unknown, so nothing is called stale
+
+
 def _kernels_root() -> Path:
     from isolab import kernels
 
@@ -86,7 +107,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("weights", "packed weights, mapped by every server of a GGUF", _weights_root,
          re.compile(r"[0-9a-f]{32}-[0-9a-f]{16}"), _weights_stale),
     Kind("kernels", "compiled native kernels, one per source, ISA level and compiler", _kernels_root,
-         re.compile(r"isolab-kernels-[0-9a-f]+\.so")),
+         re.compile(r"isolab-kernels-[0-9a-f]+\.so|isolab-kernels-tmp-\w+"), _kernels_stale),
     Kind("invariance", "batch-invariance verdicts, one per CPU, kernel build and library", _invariance_root,
          re.compile(r"[0-9a-f]+\.json|[0-9a-f]+\.\d+\.tmp"), _temporary),
     Kind("tokenizers", "tokenizers built from a GGUF's vocabulary", _tokenizers_root, re.compile(r"[0-9a-f]{32}")),
@@ -174,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.kind:<11} {count:>11} {_mib(r.bytes):>12}  {r.folder or 'off'}")
         print(f"{'':<11} {r.what}")
         for st in r.stale:
-            why = "a killed writer's temporary" if st.name.endswith(".tmp") else "an older isolab's"
+            why = "a killed writer's temporary" if st.name.endswith(".tmp") or "-tmp-" in st.name else "an older isolab's"
             print(f"{'':<11} stale ({why}): {st.name} {_mib(st.bytes)}")
     total = sum(r.bytes for r in report)
     stale = sum(st.bytes for r in report for st in r.stale)

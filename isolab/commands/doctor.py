@@ -9,11 +9,10 @@ Exit status: 0 when no symptom was found, 1 when one was (the verdict says what 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from isolab.errors import InvalidRequestError
 
@@ -92,7 +91,7 @@ def _check_plot_path(path: str | None, option: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from isolab.commands.outputs import check_output_path
+    from isolab.commands.outputs import check_output_path, scratch_folders
     from isolab.doctor.experiments import EngineTarget, Target, diagnose
     from isolab.doctor.report import plot_sweep, print_report, write_json
     from isolab.doctor.symptoms import parse_check
@@ -133,33 +132,3 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_sweep(findings, args.plot)
     return 0 if verdict.verdict == NO_SYMPTOM else 1
-
-
-@contextlib.contextmanager
-def scratch_folders() -> Iterator[Callable[[], str]]:
-    """Yields make() -> a new temporary folder (isolab-XXXX); every one made is removed when the block
-    ends, however it ends: a return, an error, Ctrl-C, or SIGTERM (a `kill`, a CI timeout), which
-    raises SystemExit in the main thread for the block's length so that the removal runs."""
-    import shutil
-    import signal
-    import tempfile
-    import threading
-
-    made: list[str] = []
-
-    def make() -> str:
-        made.append(tempfile.mkdtemp(prefix="isolab-"))
-        return made[-1]
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, stop) if main_thread else None
-    try:
-        yield make
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
-        for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)

@@ -1,10 +1,13 @@
-"""Owns the check of a file a command will write at its end (--json, --plot, --out, --trace, --report):
-done before the work, so a path that cannot be written is one sentence at once, not a stack trace
-after minutes of work."""
+"""Owns what a command writes besides its output: the check of a file it will write at its end
+(--json, --plot, --out, --trace, --report), done before the work, so a path that cannot be written
+is one sentence at once, not a stack trace after minutes of work; and the scratch folders it removes
+however it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from isolab.errors import InvalidRequestError
@@ -32,3 +35,33 @@ def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folde
         raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} does not exist", field=option)
     if not os.access(target, os.W_OK | os.X_OK):
         raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} cannot be written", field=option)
+
+
+@contextlib.contextmanager
+def scratch_folders() -> Iterator[Callable[[], str]]:
+    """Yields make() -> a new temporary folder (isolab-XXXX); every one made is removed when the block
+    ends, however it ends: a return, an error, Ctrl-C, or SIGTERM (a `kill`, a CI timeout), which
+    raises SystemExit in the main thread for the block's length so that the removal runs."""
+    import shutil
+    import signal
+    import tempfile
+    import threading
+
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(tempfile.mkdtemp(prefix="isolab-"))
+        return made[-1]
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        yield make
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -51,8 +51,7 @@ def _refuse_untaken_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from isolab.commands.doctor import scratch_folders
-    from isolab.commands.outputs import check_output_path
+    from isolab.commands.outputs import check_output_path, scratch_folders
     from isolab.faults import validate_faults
     from isolab.models.bundle import load_bundle
 

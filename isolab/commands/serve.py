@@ -127,23 +127,26 @@ def _serve(app: Any, args: argparse.Namespace) -> None:
 
 
 def _check_listen(host: str, port: int) -> None:
-    """The address uvicorn will bind, tried now: a port out of range, a host that does not resolve or
-    an address in use is one sentence before the model loads (uvicorn would take 70000 as 4464, and
-    report the rest with exit 3 after the load)."""
+    """The address uvicorn will bind, tried now the way it binds (asyncio's create_server: every
+    address the host resolves to, IPv6 sockets v6-only): a port out of range, a host that does not
+    resolve or an address in use is one sentence before the model loads (uvicorn would take 70000
+    as 4464, and report the rest with exit 3 after the load)."""
     import socket
 
     from isolab.errors import InvalidRequestError
 
     if not 0 <= port <= 65535:
         raise InvalidRequestError(f"--port must be between 0 and 65535, not {port}", field="port")
+
+    async def try_bind() -> None:
+        server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port, reuse_address=True)
+        server.close()
+        await server.wait_closed()
+
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        asyncio.run(try_bind())
     except (socket.gaierror, UnicodeError) as exc:
         raise InvalidRequestError(f"--host {host!r} does not resolve ({exc})", field="host") from None
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            sock.bind(addr)
     except OSError as exc:
         raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port") from None
 

@@ -79,7 +79,7 @@ class GrammarCompiler:
                 text = M.grammar_from_lark(spec.source)
             error = M.validate_grammar(text, self.lltok)
         except (ValueError, RecursionError) as exc:
-            error = str(exc)
+            error = str(exc) or type(exc).__name__
         if error:
             raise InvalidRequestError(f"{spec.field}: the grammar is not valid: {error}", field=spec.field)
         compiled = CompiledGrammar(key, text)

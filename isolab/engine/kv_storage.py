@@ -5,7 +5,7 @@ layer, as always; with several, every group's k-th layer shares slot k, since a 
 one group at a time. `layers[L]` is layer L's slot tensor.
 
 Head-major: each (head, block) is one contiguous run of block_size * Dh values, laid out inside
-for whichever attention reads it (models/llama.py:write_kv: the native kernel's dot products, or
+for whichever attention reads it (models/attention.py:write_kv: the native kernel's dot products, or
 plain (block_size, Dh) for the torch path, which gathers whole runs with one index_select).
 
 Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.

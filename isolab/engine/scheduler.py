@@ -136,7 +136,7 @@ class Scheduler:
             if req.matcher.is_error():  # no token continues it (the sampler ended the row): no valid reply
                 req.error = InvalidRequestError(
                     f"the output grammar reached a state that no token continues "
-                    f"({str(req.matcher.get_error()).splitlines()[0][:200]}): "
+                    f"({str(req.matcher.get_error()).partition(chr(10))[0][:200] or 'no reason given'}): "
                     "is the schema satisfiable?", field=getattr(req.params.structured, "field", None))
                 req.stop_reason = "grammar_error"
                 self.finish(req, RequestStatus.FINISHED_ABORTED)

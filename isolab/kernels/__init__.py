@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from isolab.errors import InvalidRequestError
 from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ def isa_level() -> str:
     return level
 
 
+BUILD_TMP_PREFIX = "isolab-kernels-tmp-"  # a build's folder in the cache until its .so is renamed in
 _loaded_from: list[Path] = []  # the .so _library loaded (the cache's, or a private build's)
 
 
@@ -121,16 +123,21 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("ISOLAB_NATIVE", "1") == "0":
         return None
     try:
+        level = isa_level()
+    except BuildError as exc:  # the user's ISOLAB_KERNEL_ISA: one sentence, not kernels silently off
+        raise InvalidRequestError(str(exc), field="ISOLAB_KERNEL_ISA") from None
+    try:
         try:
-            target = build(isa=isa_level())
+            target = build(isa=level)
         except OSError as exc:  # the cache cannot be written (a read-only home): build for this process alone
-            if exc.filename is None or not str(exc.filename).startswith(str(cache_root())):
-                raise
+            at = Path(str(exc.filename)) if exc.filename is not None else None
+            if at is None or not (at.is_relative_to(cache_root()) or cache_root().is_relative_to(at)):
+                raise  # (a read-only home fails on ~/.cache or ~/.cache/isolab, the folders above the cache)
             log.warning("the kernels' cache %s cannot be written (%s): building them for this process only",
                         cache_root(), exc.strerror)
             private = Path(tempfile.mkdtemp(prefix="isolab-kernels-"))
             atexit.register(shutil.rmtree, private, True)  # a loaded .so needs no file
-            target = build(isa=isa_level(), cache_dir=private)
+            target = build(isa=level, cache_dir=private)
     except (OSError, subprocess.SubprocessError, BuildError) as exc:
         log.warning("native kernels unavailable, using the torch path (slower): %s", exc)
         return None
@@ -270,8 +277,10 @@ class BuildError(RuntimeError):
     pass
 
 
-def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "native") -> Path:
-    """Compile the kernels (once per source, flags, ISA level, compiler and CPU) and return the .so path."""
+def build_target(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "native") -> tuple[Path, str, tuple[str, ...]]:
+    """Where build() puts the kernels of this source, ISA level, compiler and CPU (the .so's name is
+    their hash), with the compiler and flags it uses; nothing is compiled (isolab cache names the
+    others stale). BuildError without a compiler."""
     found = shutil.which(cxx or os.environ.get("CXX", "g++"))
     if found is None or platform.system() != "Linux":
         raise BuildError(f"no C++ compiler ({cxx or os.environ.get('CXX', 'g++')}) on {platform.system()}")
@@ -279,11 +288,16 @@ def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "nat
     src = b"\0".join(p.read_bytes() for p in SOURCES + HEADERS)
     version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    target = (cache_dir or cache_root()) / f"isolab-kernels-{key}.so"
+    return (cache_dir or cache_root()) / f"isolab-kernels-{key}.so", found, flags
+
+
+def build(cxx: str | None = None, cache_dir: Path | None = None, isa: str = "native") -> Path:
+    """Compile the kernels (once per source, flags, ISA level, compiler and CPU) and return the .so path."""
+    target, found, flags = build_target(cxx, cache_dir, isa)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=BUILD_TMP_PREFIX) as tmp:
         out = Path(tmp) / target.name
         res = subprocess.run([found, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True,
                              timeout=600)
@@ -301,7 +315,7 @@ def available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_h
 
 def paged_attention(
     q: torch.Tensor,  # (N, H, Dh) queries, one per row
-    kv: torch.Tensor,  # (2, Hkv, num_blocks, bs, Dh) one layer's pool, blocks as llama.write_kv lays them
+    kv: torch.Tensor,  # (2, Hkv, num_blocks, bs, Dh) one layer's pool, blocks as attention.write_kv lays them
     tables: torch.Tensor,  # (R, table_len) int32 block tables
     row_table: torch.Tensor,  # (N,) int32: which table each row reads
     q_pos: torch.Tensor,  # (N,) int32: row n attends to keys 0..q_pos[n], all inside its table

@@ -1,6 +1,6 @@
 // Paged attention over isolab's KV pool, one query row at a time: the cache's read path.
 //
-// Layout of one layer's pool (isolab/engine/kv_storage.py, models/llama.py:write_kv): per (KV head,
+// Layout of one layer's pool (isolab/engine/kv_storage.py, models/attention.py:write_kv): per (KV head,
 // block) a K block and a V block of bs * Dh values each, laid out for the dot products that read them:
 //   fp32: K (Dh, bs): 16 keys of one dimension are one vector; V (bs, Dh)
 //   bf16: K (Dh/2, bs, 2) and V (bs/2, Dh, 2): the pairs that one AVX512-BF16 dot product takes

@@ -54,7 +54,11 @@ class Refused:
 
 
 def to_wire(out: RequestOutput) -> RequestOutput:
-    """The output with its error (if any) reduced to the base class and its message."""
+    """The output with its error (if any) reduced to the base class and its message; a request's own
+    fault (InvalidRequestError: a grammar no token continues) keeps its class and field, so the
+    ingress answers it as one engine does (a 400 naming the field)."""
     if out.error is None or type(out.error) is IsolabError:
         return out
+    if isinstance(out.error, InvalidRequestError):
+        return dataclasses.replace(out, error=Refused.of(out.error).error())
     return dataclasses.replace(out, error=IsolabError(str(out.error)))

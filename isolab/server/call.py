@@ -17,7 +17,7 @@ from typing import Any
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
-from isolab.errors import EngineUnavailable, InvalidRequestError
+from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
@@ -34,7 +34,7 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
-    error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError)
+    error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError), 503 at shutdown
     error_param: str | None = None  # the field that did, at 400
 
 
@@ -101,6 +101,8 @@ class Call:
             c.finish_reason = o.finish_reason or "stop"
             if isinstance(o.error, InvalidRequestError):
                 c.error, c.error_status, c.error_param = str(o.error), 400, o.error.field
+            elif isinstance(o.error, RequestAborted):  # the server is shutting down (its drain ran out)
+                c.error, c.error_status = str(o.error), 503
             elif o.error is not None or o.finish_reason == "error":
                 c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
                            else "the engine failed this request")

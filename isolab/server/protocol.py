@@ -27,23 +27,26 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
-def refuse_lone_surrogates(data: Any, path: str = "") -> None:
+def refuse_lone_surrogates(data: Any) -> None:
     """A JSON body may escape half of a UTF-16 pair ("\\ud800"): Python keeps it in the string, and no
-    tokenizer or grammar can take it. The first such string is a 400 naming its field."""
-    if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError:
-            name = path or "body"
-            raise RefusedField(name, "", message=f"{name}: the text holds a lone UTF-16 surrogate (half of an escaped "
-                                                  "pair); send valid Unicode") from None
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            refuse_lone_surrogates(key, path)
-            refuse_lone_surrogates(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            refuse_lone_surrogates(value, f"{path}.{i}")
+    tokenizer or grammar can take it. The first such string is a 400 naming its field. (A loop, not a
+    recursion: a body nested as deep as the JSON parser allows must not overflow the stack here.)"""
+    todo: list[tuple[Any, str]] = [(data, "")]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                name = path or "body"
+                raise RefusedField(name, "", message=f"{name}: the text holds a lone UTF-16 surrogate (half of an "
+                                                      "escaped pair); send valid Unicode") from None
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                todo.append((key, path))
+                todo.append((value, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            todo.extend((value, f"{path}.{i}") for i, value in enumerate(item))
 
 
 class BaseRequest(BaseModel):

@@ -47,7 +47,7 @@ async def collected(call: Call, queue: Outputs, request: Request, cleanup: Calla
     failed = [c for c in call.choices if c.error]
     if failed:
         raise ApiError(failed[0].error_status, failed[0].error or "", type=_error_type(failed[0]),
-                       param=failed[0].error_param)
+                       param=failed[0].error_param, code=_error_code(failed[0]))
     return JSONResponse(call.reply())
 
 
@@ -77,7 +77,7 @@ async def _events(call: Call, queue: Outputs) -> AsyncIterator[str]:
 def _events_of(call: Call, o: RequestOutput) -> list[str]:
     c, piece = call.consume(o)
     if c.error:
-        return [_sse(error_body(c.error, type=_error_type(c), param=c.error_param))]
+        return [_sse(error_body(c.error, type=_error_type(c), param=c.error_param, code=_error_code(c)))]
     events = [] if piece is None else [_sse(call.chunk(piece))]
     if c.finish_reason is not None:
         events.append(_sse(call.chunk(c.out.finish(c.finish_reason))))
@@ -86,6 +86,10 @@ def _events_of(call: Call, o: RequestOutput) -> list[str]:
 
 def _error_type(c: Choice) -> str:
     return "invalid_request_error" if c.error_status == 400 else "server_error"
+
+
+def _error_code(c: Choice) -> str | None:
+    return "shutting_down" if c.error_status == 503 else None  # as errors.api_error codes RequestAborted
 
 
 def _sse(obj: Any) -> str:

@@ -156,7 +156,7 @@ class Serving:
         """OpenAI's {"token id": bias} -> ((id, bias), ...); a key that is no token id is a 400."""
         out = []
         for key, value in (bias or {}).items():
-            if not re.fullmatch(r"\s*[0-9]+\s*", key) or int(key) >= self.tok.vocab_size:  # ASCII digits only
+            if not re.fullmatch(r"\s*[0-9]{1,10}\s*", key) or int(key) >= self.tok.vocab_size:  # ASCII digits only
                 raise ApiError(400, f"logit_bias keys must be token ids in [0, {self.tok.vocab_size}), not {key!r}",
                                param="logit_bias")
             out.append((int(key), float(value)))

@@ -73,6 +73,8 @@ def test_multiples_of_16_give_the_default_block_sizes_bits(real_bundle):
     from isolab.llm import LLM
     from isolab.sampling_params import SamplingParams
 
+    if not real_bundle.model.native_kernels:
+        pytest.skip("the native kernels do not run here (the torch path has no block layout to test)")
     prompts = ["The history of the printing press begins", "The history of the printing press begins in Mainz, where",
                "Write a haiku about rain on a tin roof.", "List three prime numbers greater than forty:"]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)

@@ -41,6 +41,7 @@ def _nested(depth: int) -> dict:
     ("/v1/chat/completions", {**CHAT, "guided_json": _nested(200)}, "guided_json", "the grammar is not valid"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"\u00b2": 1}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"\u0663": 1}}, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"9" * 5000: 1}}, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [10**9]}, "stop_token_ids", "token ids"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages.0", "needs content"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
@@ -79,6 +80,22 @@ def test_names_inside_messages_are_reported_as_ignored(srv):
     assert r.status_code == 200
     assert set(r.headers["x-isolab-ignored-params"].split(",")) == {"messages[].name", "messages[].content[].cache_control"}
     assert "x-isolab-ignored-params" not in _post(srv, "/v1/chat/completions", CHAT).headers
+
+
+def test_a_replicas_grammar_error_crosses_to_the_ingress_as_a_400():
+    """With --replicas, outputs cross a process boundary (scaleout/wire.py): the request's own fault
+    keeps its class and field, so the ingress answers a 400 as one engine does, not a 500."""
+    import pickle
+
+    from isolab.engine.llm_engine import RequestOutput
+    from isolab.errors import InvalidRequestError
+    from isolab.scaleout.wire import to_wire
+
+    out = RequestOutput("r", new_token_ids=(), new_logprobs=(), output_token_ids=(), finished=True,
+                        finish_reason="error", stop_reason=None, num_prompt_tokens=1, num_cached_tokens=0,
+                        error=InvalidRequestError("no token continues", field="guided_json"))
+    back = pickle.loads(pickle.dumps(to_wire(out)))
+    assert type(back.error) is InvalidRequestError and back.error.field == "guided_json"
 
 
 def test_head_health(srv):
