@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shlex
 from collections.abc import Callable
 
@@ -74,18 +73,10 @@ def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
 
 
 def _check_plot_path(path: str | None, option: str) -> None:
-    """A plot file matplotlib can write: a known image suffix (or none: png), in a writable folder."""
+    """A plot file matplotlib can write, in a writable folder."""
     from isolab.commands.outputs import check_output_path
 
-    check_output_path(path, option)
-    suffix = os.path.splitext(path or "")[1].lower().lstrip(".")
-    if suffix:
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        kinds = FigureCanvasBase.get_supported_filetypes()
-        if suffix not in kinds:
-            raise InvalidRequestError(f"{option} {path!r}: name a .png file (or one of {', '.join(sorted(kinds))})",
-                                      field=option)
+    check_output_path(path, option, plot=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,13 +13,28 @@ from pathlib import Path
 from isolab.errors import InvalidRequestError
 
 
-def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folder: bool = False) -> None:
+def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folder: bool = False,
+                      make_parents: bool = False, plot: bool = False) -> None:
     """Refuse (InvalidRequestError naming `option`) a path this process cannot create or overwrite:
     a missing or unwritable parent folder, a folder where a file goes (or a file where a folder goes,
-    with folder=True). Nothing is created. None: no output asked for."""
+    with folder=True). make_parents: the writer makes missing folders, so the topmost missing one must
+    be creatable instead. plot: a file matplotlib can write (a known image suffix, or none: png).
+    Nothing is created. None: no output asked for."""
     if path is None or str(path) in ("", "-"):
         return
     p = Path(path)
+    if plot and p.suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if p.suffix.lower().lstrip(".") not in kinds:
+            raise InvalidRequestError(f"{option} {str(p)!r}: name a .png file (or one of {', '.join(sorted(kinds))})",
+                                      field=option)
+    if make_parents and not p.parent.exists():
+        top = p
+        while not top.parent.exists() and top.parent != top.parent.parent:
+            top = top.parent  # the topmost missing folder: the writer makes it in the nearest existing one
+        return check_output_path(top, option, folder=True)
     if folder:
         if p.exists() and not p.is_dir():
             raise InvalidRequestError(f"{option} {str(p)!r} is a file; name a folder", field=option)

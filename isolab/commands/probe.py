@@ -103,7 +103,4 @@ def _check_report_folder(path: str) -> None:
     """--report names a folder that exists or can be made (with its missing parents, as write_report does)."""
     from isolab.commands.outputs import check_output_path
 
-    p = Path(path)
-    while not p.exists() and p.parent != p and not p.parent.exists():
-        p = p.parent  # the topmost folder write_report would have to create
-    check_output_path(p, "--report", folder=True)
+    check_output_path(path, "--report", folder=True, make_parents=True)

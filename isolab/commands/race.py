@@ -93,21 +93,11 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _check_output(path: Path | None, option: str, *, plot: bool = False) -> None:
-    """A file the command writes at its end, checked before the work (its missing folders are made
-    then, as the race lab's writers do: here the nearest existing one must be writable)."""
+    """A file the command writes at its end, checked before the work (the race lab's writers make
+    its missing folders)."""
     from isolab.commands.outputs import check_output_path
 
-    if path is None:
-        return
-    if plot and path.suffix.lower() not in ("", ".png"):
-        from matplotlib.backend_bases import FigureCanvasBase
-
-        if path.suffix.lower().lstrip(".") not in FigureCanvasBase.get_supported_filetypes():
-            raise InvalidRequestError(f"{option} {str(path)!r}: name a .png file", field=option)
-    top = path
-    while not top.parent.exists() and top.parent != top.parent.parent:
-        top = top.parent  # the topmost missing folder: it will be made in the nearest existing one
-    check_output_path(top, option, folder=top is not path)
+    check_output_path(path, option, make_parents=True, plot=plot)
 
 
 def _stress(args: argparse.Namespace) -> int:
