@@ -22,6 +22,9 @@ from isolab.sampling_params import MAX_TOP_LOGPROBS
 from isolab.server.refused import REFUSED, RefusedField
 from isolab.server.tools import ToolCallIn, ToolChoice, ToolSpec, history_text
 
+MAX_STOPS = 64  # stop strings a request may give
+MAX_STOP_CHARS = 1024  # characters a stop string may have
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
@@ -104,7 +107,9 @@ class BaseRequest(BaseModel):
     top_k: NonNegInt = Field(0, description="extension: 0 = off")
     n: Annotated[StrictInt, Field(ge=1)] = 1
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
-    stop: str | list[str] | None = None
+    # every token is checked against every stop string: bounded, so one request cannot slow the step
+    # for all (OpenAI takes 4; vLLM has no bound)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, description="extension")
     ignore_eos: StrictBool = Field(False, description="extension: keep going past end-of-sequence")
     stream: StrictBool = False
