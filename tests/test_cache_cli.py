@@ -109,3 +109,23 @@ def test_a_killed_writers_temporary_is_stale_once_old(caches):
     assert [s["name"] for s in listed["models"]["stale"]] == [old.name]
     assert isolab("cache", "clear", "--stale", env=env).returncode == 0
     assert not old.exists() and young.exists()
+
+
+def test_kernel_builds_of_other_sources_are_stale(caches):
+    """A .so no ISA level of this isolab's sources and compiler would build (an older isolab's) is
+    named stale with its reason; the current builds' names are not (computed without compiling)."""
+    from isolab import kernels
+
+    tmp, env = caches
+    env = {**env, "XDG_CACHE_HOME": str(tmp / "xdg")}
+    folder = tmp / "xdg" / "isolab" / "kernels"
+    folder.mkdir(parents=True)
+    try:
+        current = kernels.build_target(isa="native")[0].name
+    except kernels.BuildError:
+        pytest.skip("no C++ compiler: nothing is called stale")
+    for name in (current, "isolab-kernels-0000000000000000.so"):
+        (folder / name).write_bytes(b"\x7fELF")
+    listed = json.loads(isolab("cache", "kernels", "--json", env=env).stdout)[0]
+    assert listed["entries"] == 2
+    assert listed["stale"] == [{"name": "isolab-kernels-0000000000000000.so", "bytes": 4, "why": "an older isolab's"}]

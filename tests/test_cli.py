@@ -157,3 +157,18 @@ def test_an_unwritable_cache_still_gets_the_native_kernels(tmp_path, tiny_path):
                          env={**os.environ, "XDG_CACHE_HOME": str(blocker), "ISOLAB_WEIGHT_CACHE": "off"})
     assert out.returncode == 0, out.stderr[-800:]
     assert out.stdout.split()[0] == "True" and "for this process only" in out.stderr
+
+
+def test_a_build_error_counts_as_the_caches_only_on_or_above_its_folder(monkeypatch, tmp_path):
+    """The private build starts where the cache folder, one inside it or one above it (a read-only
+    home: mkdir fails on ~/.cache first) cannot be written, not for other errors (a compiler's)."""
+    import errno
+
+    from isolab import kernels
+
+    root = tmp_path / "home" / ".cache" / "isolab" / "kernels"
+    monkeypatch.setattr(kernels, "cache_root", lambda: root)
+    for at, ours in ((root, True), (root / "isolab-kernels-x.so", True), (tmp_path / "home" / ".cache", True),
+                     (tmp_path / "elsewhere" / "g++", False), (None, False)):
+        exc = OSError(errno.EACCES, "Permission denied", None if at is None else str(at))
+        assert kernels.cache_unwritable(exc) is ours, at

@@ -34,7 +34,7 @@ class Kind:
     what: str
     root: Callable[[], Path | None]  # None: this kind is off
     entry: re.Pattern[str]  # the names this kind writes in its folder (temporaries included)
-    stale: Callable[[Path], bool] = lambda path: False  # whether nothing reads or will read an entry
+    stale: Callable[[Path], str | None] = lambda path: None  # why nothing reads an entry any more; None: in use
 
 
 def _weights_root() -> Path | None:
@@ -43,30 +43,35 @@ def _weights_root() -> Path | None:
     return cache_root()
 
 
-def _weights_stale(path: Path) -> bool:
+OLDER = "an older isolab's"
+KILLED = "a killed writer's temporary"
+
+
+def _weights_stale(path: Path) -> str | None:
     """A folder of other packing code than this isolab's (weight_cache.code_key)."""
     from isolab.models.weight_cache import code_key
 
     key = code_key()
-    return key is None or not path.name.endswith("-" + key)
+    return OLDER if key is None or not path.name.endswith("-" + key) else None
 
 
-def _temporary(path: Path) -> bool:
-    """A writer's temporary (NAME.PID.tmp) untouched for 10 minutes: left by a process killed while
-    writing (a younger one may be being written now)."""
+def _temporary(path: Path) -> str | None:
+    """A writer's temporary (NAME.PID.tmp, or a kernel build's folder) untouched for 10 minutes: left
+    by a process killed while writing (a younger one may be being written now)."""
     try:
-        return path.name.endswith(".tmp") and time.time() - path.stat().st_mtime > 600
+        old = time.time() - path.stat().st_mtime > 600
     except OSError:
-        return False
+        return None
+    return KILLED if old and (path.name.endswith(".tmp") or path.is_dir()) else None
 
 
-def _kernels_stale(path: Path) -> bool:
+def _kernels_stale(path: Path) -> str | None:
     """A build of other sources or another compiler than any ISA level of this isolab's, or a killed
     build's folder; nothing is stale where no compiler says what the current builds are."""
     if path.is_dir():
         return _temporary(path)
     current = _current_kernels()
-    return current is not None and path.name not in current
+    return OLDER if current is not None and path.name not in current else None
 
 
 @functools.cache
@@ -121,7 +126,7 @@ class Entry:
     kind: str
     path: Path
     bytes: int
-    stale: bool
+    stale: str | None  # why nothing reads it any more (OLDER, KILLED); None: in use
 
 
 def _size(path: Path) -> int:
@@ -195,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.kind:<11} {count:>11} {_mib(r.bytes):>12}  {r.folder or 'off'}")
         print(f"{'':<11} {r.what}")
         for st in r.stale:
-            why = "a killed writer's temporary" if st.name.endswith(".tmp") or "-tmp-" in st.name else "an older isolab's"
-            print(f"{'':<11} stale ({why}): {st.name} {_mib(st.bytes)}")
+            print(f"{'':<11} stale ({st.why}): {st.name} {_mib(st.bytes)}")
     total = sum(r.bytes for r in report)
     stale = sum(st.bytes for r in report for st in r.stale)
     print(f"in all {_mib(total)}" + (f", {_mib(stale)} of it stale: `isolab cache clear --stale` removes it" if stale else ""))
@@ -207,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
 class StaleEntry:
     name: str
     bytes: int
+    why: str
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,7 @@ class KindReport:
 def _report(kind: Kind) -> KindReport:
     root, found = kind.root(), entries(kind)
     return KindReport(kind.name, kind.what, None if root is None else str(root), len(found), sum(e.bytes for e in found),
-                      [StaleEntry(e.path.name, e.bytes) for e in found if e.stale])
+                      [StaleEntry(e.path.name, e.bytes, e.stale) for e in found if e.stale])
 
 
 def _clear(chosen: list[Kind], stale_only: bool, as_json: bool) -> int:

@@ -115,7 +115,16 @@ def isa_level() -> str:
 
 
 BUILD_TMP_PREFIX = "isolab-kernels-tmp-"  # a build's folder in the cache until its .so is renamed in
-_loaded_from: list[Path] = []  # the .so _library loaded (the cache's, or a private build's)
+_loaded_from: list[Path] = []
+
+
+def cache_unwritable(exc: OSError) -> bool:
+    """Whether a build's OSError is the cache folder's: about it, inside it, or about a folder above
+    it (a fresh read-only home fails on ~/.cache or ~/.cache/isolab, which mkdir makes first)."""
+    if exc.filename is None:
+        return False
+    at, root = Path(str(exc.filename)), cache_root()
+    return at.is_relative_to(root) or root.is_relative_to(at)  # the .so _library loaded (the cache's, or a private build's)
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,9 +139,8 @@ def _library() -> ctypes.CDLL | None:
         try:
             target = build(isa=level)
         except OSError as exc:  # the cache cannot be written (a read-only home): build for this process alone
-            at = Path(str(exc.filename)) if exc.filename is not None else None
-            if at is None or not (at.is_relative_to(cache_root()) or cache_root().is_relative_to(at)):
-                raise  # (a read-only home fails on ~/.cache or ~/.cache/isolab, the folders above the cache)
+            if not cache_unwritable(exc):
+                raise
             log.warning("the kernels' cache %s cannot be written (%s): building them for this process only",
                         cache_root(), exc.strerror)
             private = Path(tempfile.mkdtemp(prefix="isolab-kernels-"))

@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+import pytest
+
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError, RequestAborted
@@ -29,15 +31,40 @@ def test_isolab_errors_map_to_openai_errors():
                                                      "param": None, "code": "shutting_down"}
 
 
-def _failed_call(tok, fmt) -> tuple[Call, asyncio.Queue[RequestOutput]]:
+def _failed_call(tok, fmt, error: IsolabError | None = None,
+                 reason: str = "error") -> tuple[Call, asyncio.Queue[RequestOutput]]:
     metrics = ServerMetrics(lambda: {}, lambda: 0)
     choice = Choice(0, "r-0", Detokenizer(tok), fmt.choice(0, False))
     call = Call(fmt, "x-1", 0, "m", [3], [choice], True, True, time.monotonic(), metrics)
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
     queue.put_nowait(RequestOutput("r-0", new_token_ids=(), new_logprobs=(), output_token_ids=(), finished=True,
-                                   finish_reason="error", stop_reason=None, num_prompt_tokens=3, num_cached_tokens=0,
-                                   error=IsolabError("internal engine error")))
+                                   finish_reason=reason, stop_reason=None, num_prompt_tokens=3, num_cached_tokens=0,
+                                   error=error or IsolabError("internal engine error")))
     return call, queue
+
+
+@pytest.mark.parametrize("error,reason,status,kind,code,param", [
+    (IsolabError("internal engine error"), "error", 500, "server_error", None, None),
+    (InvalidRequestError("the output grammar ...", field="guided_json"), "error", 400, "invalid_request_error", None,
+     "guided_json"),
+    (RequestAborted("the server is shutting down"), "abort", 503, "server_error", "shutting_down", None),
+])
+def test_a_collected_reply_answers_what_ended_its_choice(tiny_bundle, error, reason, status, kind, code, param):
+    """A request's own fault is a 400 naming its field, a drain's end a 503, an engine bug a 500."""
+    from starlette.requests import Request
+
+    from isolab.server.errors import ApiError
+    from isolab.server.replies import collected
+
+    tok = tiny_bundle.tokenizer
+    call, queue = _failed_call(tok, CompletionFormat(tok, Limits(ServerConfig(), 64)), error, reason)
+
+    async def receive():  # a client that stays connected
+        await asyncio.sleep(3600)
+
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(collected(call, queue, Request({"type": "http"}, receive), lambda: None))
+    assert (caught.value.status, caught.value.type, caught.value.code, caught.value.param) == (status, kind, code, param)
 
 
 def test_a_failed_choice_streams_one_error_event(tiny_bundle):
