@@ -127,6 +127,40 @@ def test_a_port_in_use_is_one_sentence_before_the_model_loads():
     assert out.returncode == 2 and "cannot listen on 127.0.0.1" in out.stderr and "Traceback" not in out.stderr
 
 
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_the_bind_check_judges_ipv6_as_uvicorn_binds():
+    """serve's check binds as asyncio's create_server does (uvicorn's way): an IPv6 socket is v6-only,
+    so a port held on 127.0.0.1 is free on :: and ::1 (no false refusal), and one held on ::1 is
+    refused."""
+    import socket
+
+    from isolab.commands.serve import _check_listen
+    from isolab.errors import InvalidRequestError
+
+    with socket.socket() as v4:
+        v4.bind(("127.0.0.1", 0))
+        v4.listen()
+        _check_listen("::", v4.getsockname()[1])
+        _check_listen("::1", v4.getsockname()[1])
+    with socket.socket(socket.AF_INET6) as v6:
+        v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        v6.bind(("::1", 0))
+        v6.listen()
+        with pytest.raises(InvalidRequestError, match=r"cannot listen on ::1:"):
+            _check_listen("::1", v6.getsockname()[1])
+
+
 def test_a_cuda_device_this_machine_lacks_is_one_sentence():
     import torch
 

@@ -110,3 +110,23 @@ def test_the_offline_api_refuses_a_lone_surrogate_in_one_sentence(tiny_bundle):
 
     with pytest.raises(InvalidRequestError, match="lone UTF-16 surrogate"):
         tiny_bundle.tokenizer.encode("a\ud800")
+
+
+def test_the_surrogate_check_walks_a_body_deeper_than_the_recursion_limit():
+    """A JSON body may nest as deep as the parser allows; the check walks it with a loop, so a deep
+    clean body passes and a deep surrogate is found and named, with no RecursionError."""
+    import sys
+
+    from isolab.server.protocol import RefusedField, refuse_lone_surrogates
+
+    depth = sys.getrecursionlimit() * 3
+    clean: list = ["leaf"]
+    for _ in range(depth):
+        clean = [clean]
+    refuse_lone_surrogates({"messages": clean})
+    bad: dict = {"x": "ok\ud800"}
+    for _ in range(depth):
+        bad = {"a": bad}
+    with pytest.raises(RefusedField, match="lone UTF-16 surrogate") as exc:
+        refuse_lone_surrogates(bad)
+    assert exc.value.name == ".".join(["a"] * depth + ["x"])

@@ -147,3 +147,22 @@ def test_the_grammar_tokenizer_is_llguidances_own_conversion(tiny_bundle, padded
     assert all(ours.decode_bytes([i]) == ref.decode_bytes([i]) for i in range(ref.vocab_size))
     for text in ("Answer in JSON.", '{"k": [1, 2.5e3, "ünï\\u00e9"]}', "  spaces\n\tand tabs"):
         assert ours.tokenize_str(text) == ref.tokenize_str(text)
+
+
+def test_an_llguidance_error_without_a_message_is_still_a_400(tiny_bundle, monkeypatch):
+    """llguidance may raise a ValueError with no text: the 400 names the error's type, not nothing
+    (an empty message read as "no error" would go on to use a grammar that was never made)."""
+    from types import SimpleNamespace
+
+    from isolab.engine.grammar import GrammarCompiler
+    from isolab.errors import InvalidRequestError
+
+    compiler = GrammarCompiler(tiny_bundle.tokenizer, tiny_bundle.hparams.vocab_size, tiny_bundle.fingerprint)
+
+    def fail(*_a, **_k):
+        raise ValueError("")
+
+    monkeypatch.setattr(compiler, "_ll", SimpleNamespace(LLMatcher=SimpleNamespace(grammar_from_json_schema=fail)))
+    with pytest.raises(InvalidRequestError, match="the grammar is not valid: ValueError") as exc:
+        compiler.compile(GrammarSpec.json_schema({"type": "string"}))
+    assert exc.value.field == "response_format" and compiler.num_compiled == 0
