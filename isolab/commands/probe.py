@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         _check_report_folder(args.report)  # before any request: an unwritable --report is a sentence now
     try:
-        _check_numbers(args)
         cfg = ProbeConfig(
             base_url=args.base_url, api_keys=tuple(args.api_key), model=args.model,
             scenarios=tuple(args.scenario or SCENARIOS),
@@ -80,23 +79,6 @@ def run(args: argparse.Namespace) -> int:
         out = write_report(result, Path(args.report))
         print(f"report: {out / 'report.md'}", file=sys.stderr)
     return result.exit_code
-
-
-def _check_numbers(args: argparse.Namespace) -> None:
-    """Values that make no sense are refused before any request (ProbeUsageError: one sentence, exit 2)."""
-    import math
-
-    from isolab.probe import ProbeUsageError
-
-    if not (math.isfinite(args.margin) and args.margin >= 0):
-        raise ProbeUsageError(f"--margin must be a finite number of nats, 0 or more, not {args.margin}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise ProbeUsageError(f"--timeout must be a positive number of seconds, not {args.timeout}")
-    if args.timing != 0 and args.timing < 5:
-        raise ProbeUsageError(f"--timing takes at least 5 samples per group (the KS test needs 5), not {args.timing}; "
-                              "leave it out to skip the timing test")
-    if args.first_blocks < 0:
-        raise ProbeUsageError(f"--first-blocks must be 0 or more, not {args.first_blocks}")
 
 
 def _check_report_folder(path: str) -> None:

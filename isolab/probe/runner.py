@@ -39,10 +39,15 @@ class ProbeConfig:
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown:
             raise ProbeUsageError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
+        # the one place the probe's numbers are checked (the CLI and the library alike); NaN fails
+        # every test (`nan > 0` is False)
         if self.sizes.max_tokens < 2 or self.sizes.flood < 1:
             raise ProbeUsageError("--max-tokens must be at least 2 and --flood at least 1")
-        if self.sizes.timing_samples < 0 or self.sizes.first_blocks < 0:
-            raise ProbeUsageError("--timing and --first-blocks must be 0 or more")
+        if self.sizes.timing_samples != 0 and not self.sizes.timing_samples >= 5:
+            raise ProbeUsageError(f"--timing takes at least 5 samples per group (the KS test needs 5), not "
+                                  f"{self.sizes.timing_samples}; leave it out to skip the timing test")
+        if self.sizes.first_blocks < 0:
+            raise ProbeUsageError(f"--first-blocks must be 0 or more, not {self.sizes.first_blocks}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ProbeUsageError(f"--timeout must be a positive number of seconds, not {self.timeout_s}")
 

@@ -59,7 +59,7 @@ class Thresholds:
     def __post_init__(self) -> None:
         # (written so that NaN fails every test: `nan < 0` is False)
         if not (math.isfinite(self.margin) and self.margin >= 0):
-            raise ValueError(f"the margin must be a finite number of nats, 0 or more, not {self.margin}")
+            raise ValueError(f"--margin must be a finite number of nats, 0 or more, not {self.margin}")
         if not self.cached_slack >= 0 or not 0 < self.alpha < 1:
             raise ValueError("cached_slack must be >= 0 and alpha in (0, 1)")
 
