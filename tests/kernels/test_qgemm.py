@@ -59,7 +59,7 @@ def test_kernel_gives_the_torch_reference_bits(fmt, fp16, n, k):
     u = Q.random_unpacked(fmt, n, k, fp16, seed=n + k)
     packed, ref = Q.pack(u), Q.TorchUnpacked(u, CPU)
     g = torch.Generator().manual_seed(1)
-    for m in (1, 7, 64):
+    for m in (1, 7, 13, 64):  # every tail of a tile of 8 (or 4) rows: 7, 8 + 5, 4 + 3
         for in_dt in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=g).to(in_dt)
             for out_dt in (torch.float32, torch.bfloat16):
@@ -87,7 +87,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(fmt, fp16):
     packed = Q.pack(u)
     x = torch.randn(130, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     full = kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16)
-    for m in (1, 2, 5, 6, 7, 33, 97):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 33, 97):
         for s in (0, 130 - m):
             assert torch.equal(kernels.qgemm(x[s : s + m], packed, fmt, fp16, n, torch.bfloat16), full[s : s + m])
     threads = torch.get_num_threads()
