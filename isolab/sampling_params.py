@@ -33,7 +33,10 @@ class GrammarSpec:
                 raise InvalidRequestError(f"{field}: the JSON schema is not valid JSON", field=field) from None
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{field}: a JSON schema must be an object", field=field)
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+        # the keys' order as sent: llguidance writes an object's properties in the schema's order, as
+        # OpenAI's structured outputs do ("reasoning" before "answer"), so the order shapes the output
+        # and is part of the grammar's cache key (sorted keys once put "answer" first)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)
 
     @classmethod
     def choice(cls, options: Any, field: str = "guided_choice") -> GrammarSpec:

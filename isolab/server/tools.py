@@ -84,11 +84,21 @@ class ToolPlan:
     # auto: the grammar a call would have, compiled only to check the tools' parameters (a bad schema is
     # a 400 whatever tool_choice says)
     check: GrammarSpec | None = None
+    parallel: bool = True  # parallel_tool_calls: false means one call at most, whatever the model wrote
+
+
+# A function sent without `parameters` takes none (OpenAI: "omitting parameters defines a function
+# with an empty parameter list"): its arguments are {}, not any object.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _parameters(tool: ToolSpec) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
 
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    params = tool.function.parameters or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
+    # "name" before "arguments": the model names the function before it writes its arguments
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": _parameters(tool)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -102,19 +112,22 @@ def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel
     if len(set(names)) != len(names):
         raise ToolError("tools must have distinct names", "tools")
     shown = [{"name": t.function.name, "description": t.function.description or "",
-              "parameters": t.function.parameters or {"type": "object"}} for t in tools]
+              "parameters": _parameters(t)} for t in tools]
     system = ("You can call these functions:\n" + json.dumps(shown) + "\nTo call one, reply with only a JSON object "
               '{"name": <the function name>, "arguments": <an object of its parameters>}.')
     if isinstance(choice, NamedToolChoice):
         picked = [t for t in tools if t.function.name == choice.function.name]
         if not picked:
             raise ToolError(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
-        return ToolPlan("named", names, system, GrammarSpec.json_schema(_call_schema(picked[0]), "tool_choice"))
+        return ToolPlan("named", names, system, GrammarSpec.json_schema(_call_schema(picked[0]), "tool_choice"),
+                        parallel=bool(parallel))
     if choice == "required":
         one: dict[str, Any] = {"anyOf": [_call_schema(t) for t in tools]}
-        schema = {"type": "array", "items": one, "minItems": 1, "maxItems": len(tools)} if parallel else one
-        return ToolPlan("required", names, system, GrammarSpec.json_schema(schema, "tool_choice"))
-    return ToolPlan("auto", names, system, None, GrammarSpec.json_schema({"anyOf": [_call_schema(t) for t in tools]}, "tools"))
+        # parallel: any number of calls, of any tools (one tool may be called for several cities)
+        schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+        return ToolPlan("required", names, system, GrammarSpec.json_schema(schema, "tool_choice"), parallel=bool(parallel))
+    return ToolPlan("auto", names, system, None, GrammarSpec.json_schema({"anyOf": [_call_schema(t) for t in tools]}, "tools"),
+                    parallel=bool(parallel))
 
 
 def history_text(calls: list[ToolCallIn]) -> str:
@@ -147,7 +160,7 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]] | None:
                 return None
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])}})
-    return calls or None
+    return (calls if plan.parallel else calls[:1]) or None
 
 
 @dataclass

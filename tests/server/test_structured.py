@@ -166,3 +166,15 @@ def test_an_llguidance_error_without_a_message_is_still_a_400(tiny_bundle, monke
     with pytest.raises(InvalidRequestError, match="the grammar is not valid: ValueError") as exc:
         compiler.compile(GrammarSpec.json_schema({"type": "string"}))
     assert exc.value.field == "response_format" and compiler.num_compiled == 0
+
+
+@pytest.mark.parametrize("order", [("zeta", "beta", "alpha"), ("answer", "reasoning"), ("reasoning", "answer")])
+def test_properties_come_out_in_the_schemas_order(srv, order):
+    """As OpenAI's structured outputs: the object's keys in the order the schema lists them (a schema
+    that asks for "reasoning" before "answer" gets the reasoning first), never sorted."""
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 8} for k in order},
+              "required": list(order), "additionalProperties": False}
+    for seed in range(2):
+        text, reason = _chat(srv, False, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}})
+        assert reason == "stop" and tuple(json.loads(text)) == order, text

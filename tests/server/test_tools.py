@@ -49,8 +49,13 @@ def test_named_tool_calls_always_parse(srv, seed):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_calls_one_of_the_tools(srv, parallel):
+    extra = {}
+    if parallel:  # the calls' array has no cap; the random model would fill max_tokens with calls, so
+        # "]" (allowed only after a whole call) is made likelier
+        ids = httpx.post(f"{srv.url}/tokenize", json={"prompt": "]", "add_special_tokens": False}, headers=H).json()["tokens"]
+        extra = {"logit_bias": {str(ids[-1]): 8}}
     r = srv.client().chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice="required",
-                                             parallel_tool_calls=parallel, max_tokens=300, seed=3)
+                                             parallel_tool_calls=parallel, max_tokens=300, seed=3, **extra)
     m = r.choices[0]
     assert m.finish_reason == "tool_calls"
     _check_calls(m.message.tool_calls)
@@ -133,3 +138,44 @@ def test_a_call_cut_by_max_tokens_is_length_and_never_a_tool_call(srv, choice):
             calls += d.delta.tool_calls or []
             text += d.delta.content or ""
     assert reasons[-1] == "length" and not calls and text == m.message.content
+
+
+def test_parallel_tool_calls_false_keeps_one_call_of_an_auto_reply():
+    """OpenAI: parallel_tool_calls false means at most one call; a model that writes two under auto
+    gets its first back, and with parallel calls allowed, both."""
+    two = '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]'
+    one = parse_calls(two, ToolPlan("auto", ("get_time",), "", None, parallel=False))
+    assert one is not None and [json.loads(c["function"]["arguments"]) for c in one] == [{"zone": "UTC"}]
+    both = parse_calls(two, ToolPlan("auto", ("get_time",), "", None, parallel=True))
+    assert both is not None and len(both) == 2
+
+
+def test_parallel_required_calls_may_call_one_tool_several_times():
+    """The grammar of required parallel calls puts no cap of one call per tool on the array (a weather
+    tool asked about three cities is called three times)."""
+    from isolab.server.tools import ToolSpec, plan_tools
+
+    plan = plan_tools([ToolSpec.model_validate(TOOLS[0])], "required", True)
+    schema = json.loads(plan.structured.source)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+
+
+def test_a_function_without_parameters_is_called_with_empty_arguments(srv):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list, so a required
+    call's arguments are exactly {} (not any object, which a model may fill until max_tokens)."""
+    tools = [{"type": "function", "function": {"name": "get_random"}}]
+    for seed in range(3):
+        r = srv.client().chat.completions.create(model=srv.model, messages=MSG, tools=tools, tool_choice="required",
+                                                 parallel_tool_calls=False, max_tokens=60, seed=seed, temperature=1.0)
+        m = r.choices[0]
+        assert m.finish_reason == "tool_calls", m.message.content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.message.tool_calls][0] == ("get_random", {})
+
+
+def test_a_call_names_its_function_before_its_arguments(srv):
+    """The call's grammar keeps "name" before "arguments" (the model picks the function first): the
+    first tokens of a required call cut short are its name."""
+    r = srv.client().chat.completions.create(model=srv.model, messages=MSG, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=8, seed=0)
+    text = r.choices[0].message.content or ""
+    assert r.choices[0].finish_reason == "length" and text.startswith('{"name"'), text
