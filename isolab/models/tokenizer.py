@@ -127,5 +127,59 @@ class Tokenizer:
         return self._ids(cast(str, text), False)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        """Per-token text for logprobs (decoded one token at a time)."""
+        """Per-token text (decoded one token at a time; a piece of a UTF-8 character reads as U+FFFD)."""
         return [cast(str, self._tok.decode([t])) for t in token_ids]
+
+    def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes, exactly (OpenAI's logprobs `bytes`): a token that holds part of a
+        UTF-8 character gives that part, so a client can join the bytes back into the text, where
+        decoding one token alone gives U+FFFD. Byte-level BPE (GPT-2's alphabet: SmolLM2, Llama 3,
+        Qwen) maps each character of the token back to its byte; SentencePiece-style vocabularies
+        (Gemma) spell a byte as <0xNN> and a space as U+2581; added tokens are their text.
+        tests/models/test_tokenizer.py checks every token of the vocabulary against llguidance's
+        own table."""
+        table = self._bytes_table()
+        return [table(t) for t in token_ids]
+
+    def _bytes_table(self) -> Any:
+        import functools
+        import json
+        import re
+
+        if getattr(self, "_token_bytes", None) is not None:
+            return self._token_bytes
+        tok = self._tok
+        backend = getattr(tok, "backend_tokenizer", None)
+        decoder = json.loads(backend.decoder.__getstate__()) if backend is not None and backend.decoder else {}
+        kinds = json.dumps(decoder)
+        byte_level = '"ByteLevel"' in kinds
+        byte_fallback = '"ByteFallback"' in kinds
+        added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
+        inverse: dict[str, int] = {}
+        if byte_level:  # GPT-2's bytes_to_unicode, inverted
+            bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+            cs, n = list(bs), 0
+            for b in range(256):
+                if b not in bs:
+                    bs.append(b)
+                    cs.append(256 + n)
+                    n += 1
+            inverse = {chr(c): b for b, c in zip(bs, cs, strict=True)}
+        hex_byte = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+        @functools.lru_cache(maxsize=1 << 16)
+        def one(token_id: int) -> bytes:
+            if token_id in added:
+                return added[token_id].encode("utf-8")
+            piece = tok.convert_ids_to_tokens(token_id)
+            if not isinstance(piece, str):
+                return b""
+            if byte_level and all(c in inverse for c in piece):
+                return bytes(inverse[c] for c in piece)
+            m = hex_byte.fullmatch(piece) if byte_fallback else None
+            if m:
+                return bytes([int(m.group(1), 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+
+        self._token_bytes = one
+        return one

@@ -7,6 +7,7 @@ infinity). Does not know HTTP or the engine loop.
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Sequence
 
@@ -19,12 +20,20 @@ def _finite(lp: float) -> float:
     return lp if math.isfinite(lp) else -9999.0
 
 
+def _text(raw: bytes) -> str:
+    """A token's text: its bytes as UTF-8, where a piece of a character is written as \\xNN escapes
+    (as OpenAI writes it), so two tokens never print alike and a client reads the exact bytes from
+    `bytes`."""
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
 class CompletionLogprobs:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
         self.offset = 0
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds a character's first bytes
         self.total: CompletionLogprobsBody = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def push(self, lps: Sequence[TokenLogprob | int]) -> CompletionLogprobsBody:
@@ -32,25 +41,22 @@ class CompletionLogprobs:
         with no logprob (an echoed prompt's first token): null, as OpenAI writes it."""
         out: CompletionLogprobsBody = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
+            token_id = lp if isinstance(lp, int) else lp.token_id
+            raw = self.tok.token_bytes([token_id])[0]
+            out["tokens"].append(_text(raw))
+            # the offset in characters of the text: the whole characters before this token
+            out["text_offset"].append(self.offset)
+            self.offset += len(self.chars.decode(raw))
             if isinstance(lp, int):
-                text = self.tok.token_strings([lp])[0]
-                out["tokens"].append(text)
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
-                out["text_offset"].append(self.offset)
-                self.offset += len(text)
                 continue
-            text = self.tok.token_strings([lp.token_id])[0]
-            out["tokens"].append(text)
             out["token_logprobs"].append(_finite(lp.logprob))
             top_ids = [t for t, _ in lp.top]
-            top_texts = self.tok.token_strings(top_ids) if top_ids else []
             top: dict[str, float] = {}
-            for s, (_, v) in zip(top_texts, lp.top, strict=True):
-                top.setdefault(s, _finite(v))  # two tokens may print alike (byte pieces): keep the best
+            for b, (_, v) in zip(self.tok.token_bytes(top_ids), lp.top, strict=True):
+                top.setdefault(_text(b), _finite(v))  # (two tokens of the same bytes: keep the best)
             out["top_logprobs"].append(top if lp.top else None)
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
         self.total["tokens"].extend(out["tokens"])
         self.total["token_logprobs"].extend(out["token_logprobs"])
         self.total["top_logprobs"].extend(out["top_logprobs"])
@@ -72,15 +78,14 @@ class ChatLogprobs:
         return {"content": content}
 
     def _entry(self, lp: TokenLogprob) -> ChatTokenLogprob:
-        text = self.tok.token_strings([lp.token_id])[0]
+        raw = self.tok.token_bytes([lp.token_id])[0]
         top_ids = [t for t, _ in lp.top]
-        top_texts = self.tok.token_strings(top_ids) if top_ids else []
         return {
-            "token": text,
+            "token": _text(raw),
             "logprob": _finite(lp.logprob),
-            "bytes": list(text.encode("utf-8")),
+            "bytes": list(raw),
             "top_logprobs": [
-                {"token": s, "logprob": _finite(v), "bytes": list(s.encode("utf-8"))}
-                for s, (_, v) in zip(top_texts, lp.top, strict=True)
+                {"token": _text(b), "logprob": _finite(v), "bytes": list(b)}
+                for b, (_, v) in zip(self.tok.token_bytes(top_ids), lp.top, strict=True)
             ],
         }

@@ -46,3 +46,26 @@ def test_the_construction_tables_are_released(tmp_path, arch):
     same_as_a_full_tokenizer(tok, loaded.fingerprint)
     kept = getattr(AutoTokenizer.from_pretrained(str(_cache_dir(loaded.fingerprint))), "_vocab", None)
     assert bool(kept) == (arch == "qwen2")  # the case the release is for is the one tested
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2", "gemma3-270m"])
+def test_token_bytes_are_llguidances_for_every_token(which, tiny_bundle, real_bundle):
+    """Tokenizer.token_bytes (logprobs' `bytes`) against llguidance's own table of every token's bytes,
+    on a byte-level vocabulary (the tiny model's, SmolLM2's) and a SentencePiece one with byte
+    fallback (Gemma 3's 262k). llguidance marks its special tokens with a leading 0xFF, so it reads
+    the token of the byte 0xFF as b"": that one token differs, and ours is the byte."""
+    import llguidance
+
+    if which == "gemma3-270m":
+        from isolab.models.bundle import load_bundle
+
+        bundle = load_bundle(which, "bf16", "cpu")
+    else:
+        bundle = tiny_bundle if which == "tiny" else real_bundle
+    tok, n = bundle.tokenizer, bundle.hparams.vocab_size
+    ll = llguidance.LLTokenizer(tok.hf.backend_tokenizer.to_str(), n_vocab=n, eos_token=tok.hf.eos_token_id)
+    ours = tok.token_bytes(range(n))
+    differ = [i for i in range(n) if ours[i] != ll.decode_bytes([i])]
+    assert len(differ) <= 1 and all(ours[i] == b"\xff" and ll.decode_bytes([i]) == b"" for i in differ)
+    split = tok.token_bytes(tok.encode("\U0001f44b", add_special_tokens=False))
+    assert b"".join(split) == "\U0001f44b".encode()

@@ -100,7 +100,43 @@ def test_completion_logprobs(srv):
         assert val <= 0 and 1 <= len(top) <= 3
         assert max(top.values()) == pytest.approx(val)  # greedy: the sampled token is the best
         assert tok in top
-    assert "".join(lp.tokens) == r.choices[0].text or "\ufffd" in "".join(lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_logprobs_carry_each_tokens_own_bytes(srv):
+    """A token that holds part of a UTF-8 character gives that part in `bytes` (OpenAI's field, there
+    so that a client can join the bytes into the text), and its `token` writes it as \\xNN escapes,
+    never U+FFFD (so the completions format's top_logprobs, keyed by text, keep distinct pieces
+    apart): joined, the bytes are the reply's text exactly. text_offset counts whole characters."""
+    c = srv.client()
+    want = "\U0001f44b hi \u00e9"
+    r = c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "wave"}], max_tokens=40,
+                                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"guided_choice": [want]})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want
+    assert b"".join(bytes(e.bytes) for e in content) == want.encode()
+    assert all("\ufffd" not in e.token and e.token.encode() == bytes(e.bytes) or "\\x" in e.token for e in content)
+    assert any("\\x" in e.token for e in content)  # the emoji is split across tokens here
+    for e in content:
+        assert all(t.token.encode() == bytes(t.bytes) or "\\x" in t.token for t in e.top_logprobs)
+    r = c.completions.create(model=srv.model, prompt="wave", max_tokens=40, temperature=0, logprobs=2,
+                             extra_body={"guided_choice": [want]})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == want and "\ufffd" not in "".join(lp.tokens)
+    raws = [_unescape(t) for t in lp.tokens]
+    assert b"".join(raws) == want.encode()
+    assert lp.text_offset == [len(b"".join(raws[:i]).decode("utf-8", errors="ignore")) for i in range(len(raws))]
+
+
+def _unescape(token: str) -> bytes:
+    """A logprobs token's bytes back from its text (\\xNN: one byte of a character cut by the token)."""
+    out, i = b"", 0
+    while i < len(token):
+        if token.startswith("\\x", i):
+            out, i = out + bytes([int(token[i + 2:i + 4], 16)]), i + 4
+        else:
+            out, i = out + token[i].encode(), i + 1
+    return out
 
 
 def test_chat_logprobs(srv):
