@@ -6,8 +6,9 @@ server's replies and `isolab generate`: the one detokenizer of the project.
 Text is decoded over a sliding window (the last complete token before the new ones gives the
 context a tokenizer needs for leading spaces), never splitting a UTF-8 character: a window that
 ends in U+FFFD waits for the next token. With stop strings, the last (longest stop - 1)
-characters are held back until the request finishes, and the final text ends before the
-earliest stop string, as OpenAI does. `finish()` decodes the whole output once, so the deltas
+characters are examined, and the longest end of the text that begins a stop string is held back
+(other text goes out at once); the final text ends before the earliest stop string, as OpenAI
+does. `finish()` decodes the whole output once, so the deltas
 always add up to exactly the final text.
 
     ids:   i0 i1 i2 i3 i4 i5
@@ -69,8 +70,23 @@ class Detokenizer:
             if i != -1:
                 cut = min(cut, i)
         if not final and cut == len(text) and self.holdback:
-            cut = max(0, len(text) - self.holdback)
+            cut = len(text) - self._stop_begun(text)
         return text[:cut]
+
+    def _stop_begun(self, text: str) -> int:
+        """The length of the longest end of the text that begins a stop string: what must wait (a
+        stop string may still complete it). Other text goes out at once."""
+        tail = text[-self.holdback :]
+        longest = 0
+        for s in self.stop:
+            first = s[0]
+            j = tail.find(first, max(0, len(tail) - len(s) + 1))
+            while j != -1 and len(tail) - j > longest:
+                if s.startswith(tail[j:]):  # the first start found is the longest one
+                    longest = len(tail) - j
+                    break
+                j = tail.find(first, j + 1)
+        return longest
 
     def _emit(self, visible: str) -> str:
         if not visible.startswith(self.sent) or len(visible) <= len(self.sent):
