@@ -89,8 +89,8 @@ class SamplingParams:
             raise bad("max_tokens", f"must be an integer >= 1, not {self.max_tokens!r}")
         if not isinstance(self.temperature, int | float) or not (0.0 <= float(self.temperature) <= 100.0):
             raise bad("temperature", f"must be a number in [0, 100], not {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not (0.0 < float(self.top_p) <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], not {self.top_p!r}")
+        if not isinstance(self.top_p, int | float) or not (0.0 <= float(self.top_p) <= 1.0):
+            raise bad("top_p", f"must be in [0, 1], not {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), not {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):

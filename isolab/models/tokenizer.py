@@ -7,7 +7,7 @@ cached on disk by file fingerprint, so a second start skips the slow conversion.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -141,13 +141,14 @@ class Tokenizer:
         table = self._bytes_table()
         return [table(t) for t in token_ids]
 
-    def _bytes_table(self) -> Any:
+    def _bytes_table(self) -> Callable[[int], bytes]:
         import functools
         import json
         import re
 
-        if getattr(self, "_token_bytes", None) is not None:
-            return self._token_bytes
+        made: Callable[[int], bytes] | None = getattr(self, "_token_bytes", None)
+        if made is not None:
+            return made
         tok = self._tok
         backend = getattr(tok, "backend_tokenizer", None)
         decoder = json.loads(backend.decoder.__getstate__()) if backend is not None and backend.decoder else {}

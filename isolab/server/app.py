@@ -21,7 +21,7 @@ from isolab.engine.llm_engine import LLMEngine
 from isolab.errors import InvalidRequestError
 from isolab.server.backend import EngineBackend, ModelFacts
 from isolab.server.engine_loop import EngineLoop
-from isolab.server.errors import install_handlers
+from isolab.server.errors import ApiError, install_handlers
 from isolab.server.gate import Gate
 from isolab.server.metrics import CONTENT_TYPE, ServerMetrics
 from isolab.server.protocol import (
@@ -119,6 +119,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=n, created=int(state.started)) for n in state.model_names])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def model(model: str) -> ModelCard:
+        """One model's object, by its id or an alias (as OpenAI's GET /v1/models/{model})."""
+        if model not in state.model_names:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in state.model_names)}", param="model", code="model_not_found")
+        return ModelCard(id=model, created=int(state.started))
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

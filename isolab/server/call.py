@@ -18,6 +18,7 @@ from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
+from isolab.models.tokenizer import Tokenizer
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
@@ -36,6 +37,11 @@ class Choice:
     error: str | None = None
     error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError), 503 at shutdown
     error_param: str | None = None  # the field that did, at 400
+
+
+def _ends_turn(tok: Tokenizer, token: int) -> bool:
+    """A token that ends a request without being part of its text: EOS or an end-of-turn token."""
+    return token == tok.eos_token_id or token in tok.end_of_turn_ids
 
 
 @dataclass
@@ -96,6 +102,8 @@ class Call:
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
             delta = c.text.push(o.new_token_ids)
             lps = o.new_logprobs
+            if o.finished and o.finish_reason == "stop" and lps and _ends_turn(c.text.tok, lps[-1].token_id):
+                lps = lps[:-1]  # the EOS / end-of-turn token adds no text: no logprobs entry (as OpenAI)
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"

@@ -19,7 +19,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # (stats key, metric name, help, kind)
 ENGINE_FIGURES = (
     ("running", "isolab_num_requests_running", "engine requests being computed", "gauge"),
-    ("kv_blocks_used", "isolab_kv_blocks_used", "KV blocks held by requests or cached", "gauge"),
+    ("kv_blocks_used", "isolab_kv_blocks_used", "KV blocks held by running requests (cached blocks no request holds count as free)", "gauge"),
     ("kv_blocks_free", "isolab_kv_blocks_free", "KV blocks free (including evictable cached ones)", "gauge"),
     ("kv_blocks_total", "isolab_kv_blocks_total", "usable KV blocks", "gauge"),
     ("prefix_cache_queries_tokens", "isolab_prefix_cache_queries_tokens", "prompt tokens looked up in the prefix cache", "counter"),

@@ -103,7 +103,7 @@ class BaseRequest(BaseModel):
     model: str | None = Field(None, description="the served model's id; omitted means that model")
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
+    top_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 1.0  # 0: the most likely token only (OpenAI takes [0, 1])
     top_k: NonNegInt = Field(0, description="extension: 0 = off")
     n: Annotated[StrictInt, Field(ge=1)] = 1
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None

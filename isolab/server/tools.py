@@ -123,8 +123,10 @@ def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel
                         parallel=bool(parallel))
     if choice == "required":
         one: dict[str, Any] = {"anyOf": [_call_schema(t) for t in tools]}
-        # parallel: any number of calls, of any tools (one tool may be called for several cities)
-        schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+        # parallel: an array of 1 to len(tools) calls, of any tools. Uncapped (as OpenAI's), a small
+        # model greedily repeats its call until max_tokens (SmolLM2 with a loose schema: a black-box
+        # QA pass), so a reply holds at most as many calls as there are tools
+        schema = {"type": "array", "items": one, "minItems": 1, "maxItems": len(tools)} if parallel else one
         return ToolPlan("required", names, system, GrammarSpec.json_schema(schema, "tool_choice"), parallel=bool(parallel))
     return ToolPlan("auto", names, system, None, GrammarSpec.json_schema({"anyOf": [_call_schema(t) for t in tools]}, "tools"),
                     parallel=bool(parallel))

@@ -16,7 +16,7 @@ def llm(tiny_bundle):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("max_tokens", 0), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2),
     ("seed", -1), ("logprobs", 99), ("stop", ("",)),
 ])
 def test_invalid_params_name_the_field(field, value):
@@ -34,6 +34,13 @@ def test_top_k_one_is_greedy(llm):
     greedy = llm.generate("the", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
     topk1 = llm.generate("the", SamplingParams(max_tokens=12, temperature=2.0, top_k=1, seed=3, ignore_eos=True))[0].token_ids
     assert greedy == topk1
+
+
+def test_top_p_zero_is_greedy(llm):
+    """OpenAI takes top_p in [0, 1]; 0 keeps the most likely token alone."""
+    greedy = llm.generate("the", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    top_p0 = llm.generate("the", SamplingParams(max_tokens=12, temperature=2.0, top_p=0.0, seed=3, ignore_eos=True))[0].token_ids
+    assert greedy == top_p0
 
 
 def test_filter_top_p_keeps_smallest_set():

@@ -315,3 +315,22 @@ def test_error_event_shapes_are_json(srv):
     assert lines[-1] == "[DONE]"
     for ln in lines[:-1]:
         assert json.loads(ln)["object"] == "chat.completion.chunk"
+
+
+def test_the_token_that_ends_the_turn_has_no_logprobs_entry(srv, tiny_bundle):
+    """EOS (or an end-of-turn token) adds no text, so, as OpenAI's, logprobs.content holds the
+    content's tokens only: a reply ended by EOS at once has empty content and no entries; streamed, the
+    same."""
+    c = srv.client()
+    eos = tiny_bundle.tokenizer.eos_token_id
+    kw = dict(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+              logprobs=True, top_logprobs=1, logit_bias={str(eos): 100})
+    r = c.chat.completions.create(**kw)
+    assert (r.choices[0].finish_reason, r.choices[0].message.content) == ("stop", "")
+    assert r.choices[0].logprobs.content == [] and r.usage.completion_tokens == 1
+    streamed = [e for ch in c.chat.completions.create(stream=True, **kw) for choice in ch.choices
+                if choice.logprobs for e in choice.logprobs.content]
+    assert streamed == []
+    r = c.completions.create(model=srv.model, prompt="hi", max_tokens=8, temperature=0, logprobs=1,
+                             logit_bias={str(eos): 100})
+    assert r.choices[0].text == "" and r.choices[0].logprobs.tokens == []

@@ -28,6 +28,19 @@ def test_models_lists_the_id_then_aliases(srv):
     assert [m.id for m in srv.client().models.list().data] == ["tiny-1", "default", "alias"]
 
 
+def test_one_model_is_retrieved_by_any_of_its_names(srv):
+    """GET /v1/models/{model}, as OpenAI's (the client's models.retrieve); an unknown one is a 404 that
+    lists the served names, and the key is needed as on every /v1 path."""
+    c = srv.client()
+    for name in ("tiny-1", "alias"):
+        m = c.models.retrieve(name)
+        assert (m.id, m.object, m.owned_by) == (name, "model", "isolab")
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("gpt-4")
+    assert "tiny-1" in e.value.body["message"] and e.value.body["code"] == "model_not_found"
+    assert httpx.get(srv.url + "/v1/models/tiny-1").status_code == 401
+
+
 @pytest.mark.parametrize("name", ["tiny-1", "default", "alias"])
 def test_any_name_is_served_and_replies_carry_the_id(srv, name):
     r = srv.client().completions.create(model=name, prompt="hi", max_tokens=2)
