@@ -99,6 +99,7 @@ def test_bench_repeats_must_be_positive():
     (["serve", "--no-auth", "--host", "999.1.1.1"], "does not resolve"),
     (["serve", "--no-auth", "--replicas", "1", "--replica-gpus", "1"], "GPUs this machine does not have"),  # hung
     (["serve", "--no-auth", "--replica-threads", "0"], "need --replicas N"),
+    (["serve", "--no-auth", "--routing", "random"], "need --replicas N"),  # was taken and ignored
     (["generate", "hi", "--device", "foo"], "device 'foo' is not one this engine runs on"),
     (["generate", "hi", "--device", "meta"], "device 'meta' is not one this engine runs on"),
     (["generate", "hi", "--kv-cache-memory", "infk"], "is not a size"),

@@ -35,7 +35,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{c['lives']} block lives over {trace.last_step} steps: {c['ended']} ended (freed or evicted), "
           f"{c['still_held']} still held, {c['cached_idle']} cached and idle; {c['violations']} audit violations")
     for v in trace.violations:
-        print(f"  violation at step {v['step']}: block {v['block']} read by {v['request']}, written by {v.get('writer')}")
+        if v.get("access") == "write":  # the engine names the access (audit.py); older traces do not
+            print(f"  violation at step {v['step']}: block {v['block']} written by {v['request']}, "
+                  f"last written by {v.get('writer')} (a write it may not make)")
+        else:
+            print(f"  violation at step {v['step']}: block {v['block']} read by {v['request']}, written by {v.get('writer')}")
     for problem in c["problems"]:
         print(f"  incomplete: {problem}")
     print(f"wrote {out}")

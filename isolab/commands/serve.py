@@ -59,8 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Ray logical CPUs each replica asks for (default: its threads)")
     r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
                    help="Ray GPUs each replica asks for (0: CPU replicas)")
-    r.add_argument("--routing", choices=("affinity", "least-loaded", "random"), default="affinity",
-                   help="affinity: a request goes to the replica that holds its tenant's prefix unless that replica "
+    r.add_argument("--routing", choices=("affinity", "least-loaded", "random"), default=None,
+                   help="(default affinity) affinity: a request goes to the replica that holds its tenant's prefix unless that replica "
                         "is hot; least-loaded and random are baselines")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -154,10 +154,10 @@ def _check_listen(host: str, port: int) -> None:
 def _scale_out(args: argparse.Namespace) -> Any:
     """The replicas' plan, or None for one in-process engine; a missing Ray is one sentence, at once."""
     if args.replicas is None:
-        if args.ray_address or any(v is not None for v in (args.replica_threads, args.replica_cpus)) or args.replica_gpus:
+        if args.ray_address or any(v is not None for v in (args.replica_threads, args.replica_cpus, args.routing)) or args.replica_gpus:
             from isolab.scaleout import ScaleOutError
 
-            raise ScaleOutError("--ray-address and the --replica-* options need --replicas N")
+            raise ScaleOutError("--ray-address, --routing and the --replica-* options need --replicas N")
         return None
     from isolab.scaleout import RoutingConfig, ScaleOut, ScaleOutError, require_ray
 
@@ -170,7 +170,7 @@ def _scale_out(args: argparse.Namespace) -> Any:
                                 "a cluster that has them, or leave it at 0")
     threads = args.replica_threads or max(1, (os.cpu_count() or 1) // max(1, args.replicas))
     return ScaleOut(replicas=args.replicas, threads_per_replica=threads, ray_address=args.ray_address,
-                    cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus, routing=RoutingConfig(policy=args.routing))
+                    cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus, routing=RoutingConfig(policy=args.routing or "affinity"))
 
 
 def _read_template(path: str | None) -> str | None:

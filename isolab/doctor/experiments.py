@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 from isolab.doctor.symptoms import Check, Result, Symptom, find_symptoms, foreign_hits
-from isolab.doctor.verdict import Findings, RunRecord
+from isolab.doctor.verdict import Findings, RunRecord, served_from_cache
 from isolab.doctor.workload import Item
 from isolab.errors import InvalidRequestError
 
@@ -172,7 +172,11 @@ def diagnose(
         nocache = [together(items, refs, c, False, "original", checks) for c in cs]  # type: ignore[arg-type]
     reported = getattr(target, "numerics", lambda: None)()  # (path, invariant) where the target says
     numerics, invariant = reported if reported else (None, None)
-    return Findings(target.name, alone, sweep, variant, nocache, vacuity_warnings(sweep), numerics, invariant)
+    warnings = vacuity_warnings(sweep)
+    if nocache and served_from_cache(nocache):
+        warnings.append(f"the cache-off runs were served {served_from_cache(nocache)} cached tokens: the server "
+                        "ignores the --no-cache-field given, so question (d) could not be asked")
+    return Findings(target.name, alone, sweep, variant, nocache, warnings, numerics, invariant)
 
 
 def vacuity_warnings(sweep: Sequence[RunRecord]) -> list[str]:

@@ -120,9 +120,24 @@ def answer_load(f: Findings) -> Answer:
     return Answer("(c) grows with load?", YES if grows else NO, ev)
 
 
+def served_from_cache(runs: Sequence[RunRecord]) -> int:
+    """Prompt tokens the runs report as served from the prefix cache (0 where none report it)."""
+    return sum(int(r.stats.get("prefix_cache_hits_tokens", r.stats.get("cached_tokens")) or 0) for r in runs)
+
+
+def cache_switched_off(f: Findings) -> bool:
+    """Whether the cache-off runs ran with the cache off: not where they were still served cached
+    tokens (a --no-cache-field the server ignores, e.g. llama.cpp's cache_prompt sent to isolab)."""
+    return bool(f.nocache) and served_from_cache(f.nocache) == 0
+
+
 def answer_cache(f: Findings) -> Answer:
     if not f.nocache:
         return Answer("(d) vanishes with prefix caching off?", NA, "no way to turn the cache off was given")
+    if not cache_switched_off(f):
+        return Answer("(d) vanishes with prefix caching off?", NA,
+                      f"the cache was not off: the runs meant to be without it were served "
+                      f"{served_from_cache(f.nocache)} cached tokens (the server ignores that field)")
     on = {r.concurrency: r.num_symptomatic for r in f.sweep}
     ev = ", ".join(f"c={r.concurrency}: {on.get(r.concurrency, '?')} with cache, {r.num_symptomatic} without" for r in f.nocache)
     if not any(on.values()) and not any(r.symptoms for r in f.nocache):
@@ -137,9 +152,9 @@ def judge(f: Findings) -> Verdict:
         v = SOMETHING_ELSE
     elif not shared:
         v = NO_SYMPTOM
-    elif f.batch_invariant is False and (not f.nocache or any(r.symptoms for r in f.nocache)):
+    elif f.batch_invariant is False and (not cache_switched_off(f) or any(r.symptoms for r in f.nocache)):
         v = NUMERICS
-    elif not f.nocache:
+    elif not cache_switched_off(f):
         v = SHARED_STATE
     elif any(r.symptoms for r in f.nocache):
         v = SHARED_NOT_CACHE

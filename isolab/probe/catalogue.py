@@ -14,7 +14,7 @@ FAULT_VISIBILITY: dict[str, tuple[str | None, str]] = {
         "only when a cached block is evicted and handed to a request that is still writing it while the prefix "
         "is asked for again. On a small KV pool (6 MiB for SmolLM2-135M: 16 blocks) the probe's floods cause "
         "exactly that, and warm or loaded runs read another request's KV (logprobs move by 1.5-2.4 nats, seeded "
-        "samples change). On a large pool (the default 256 MiB) nothing is evicted during a run: invisible from "
+        "samples change). On a large pool (the default 2 GiB) nothing is evicted during a run: invisible from "
         "outside, and 'evict and re-hit' says so (no eviction observed)",
     ),
     "coarse-key": ("prefix-cache", "a novel prompt of the same length reports cached_tokens it never shared, and "

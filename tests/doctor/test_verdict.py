@@ -69,6 +69,19 @@ def test_no_cache_switch_leaves_the_cache_question_open():
     assert v.answers[3].answer == NA
 
 
+def test_a_cache_switch_the_server_ignores_leaves_the_question_open():
+    """A --no-cache-field the server ignores (llama.cpp's cache_prompt sent to isolab) came back with
+    cached tokens: those runs had the cache on, so (d) is not asked and the symptoms that persisted
+    there do not read as "not the cache"."""
+    f = findings({1: [], 16: ["r1"]}, {16: ["r1"]}, variant=["r1"])
+    f.nocache[0].stats["cached_tokens"] = 448
+    v = judge(f)
+    assert v.answers[3].answer == NA and "448 cached tokens" in v.answers[3].evidence
+    assert v.verdict == SHARED_STATE
+    f.nocache[0].stats["cached_tokens"] = 0  # the switch worked: symptoms that persist are not the cache
+    assert judge(f).verdict == SHARED_NOT_CACHE
+
+
 def test_decreasing_rate_does_not_grow_with_load():
     v = judge(findings({1: ["a", "b"], 4: ["a"], 16: []}, {1: [], 4: []}))
     assert v.answers[2].answer == NO

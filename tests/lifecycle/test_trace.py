@@ -82,7 +82,7 @@ def test_held_and_cached_lives_are_complete():
     assert c["complete"] and c["still_held"] == 1 and c["cached_idle"] == 1
 
 
-def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path):
+def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path, capsys):
     from isolab.lifecycle.draw import write_html, write_png
 
     sc = next(s for s in SCENARIOS if s.fault == "reuse-without-invalidate")
@@ -98,6 +98,15 @@ def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path):
     page = write_html(trace, tmp_path / "f.html").read_text()
     assert "violation" in page and "data:image/png;base64," in page
     json.dumps(completeness(trace))
+    # the CLI names each violation's access as the engine recorded it
+    from isolab.cli import main
+
+    main(["lifecycle", str(path), "--out", str(tmp_path / "g.png")])
+    out = capsys.readouterr().out
+    for v in trace.violations:
+        assert v["access"] in ("read", "write")
+        said = f"block {v['block']} {v['access'] == 'write' and 'written' or 'read'} by {v['request']}"
+        assert said in out, out
 
 
 def test_lifecycle_cli(tiny_bundle, tmp_path, capsys):
