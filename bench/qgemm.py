@@ -5,6 +5,9 @@ model's (native records against the same tensors dequantized to bf16), hot in ca
     .venv/bin/python bench/qgemm.py [--model gemma3-270m] [--json bench/results/qgemm.json]
     .venv/bin/python bench/qgemm.py --order-ab [--json bench/results/qgemm_order.json]
 
+--tiles-ab: the quantized GEMM alone at M = 8, 32 and 128, its tiles of 8 rows (the default on
+AVX-512 VNNI) against tiles of 4 (kernels.qgemm_tile_rows), calls alternating, median ms of each.
+
 --order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512: its default (big weights
 group by group, the next task's panels prefetched) against chunk by chunk with no prefetch
 (kernels.qgemm_order), calls alternating, median ms of each. Here each weight is hot in cache
@@ -41,10 +44,13 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--order-ab", action="store_true")
+    ap.add_argument("--tiles-ab", action="store_true")
     args = ap.parse_args()
     m = load_bundle(args.model, "bf16", weights="native").model
     if args.order_ab:
         return order_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"))
+    if args.tiles_ab:
+        return tiles_ab(m, args.model, Path(args.json or "bench/results/qgemm_tiles.json"))
     layer = m.layers[0]
     rows = []
     for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
@@ -66,6 +72,45 @@ def main() -> int:
     out = {"model": str(args.model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
            "qgemm_isa": kernels.qgemm_isa(), "gemm_isa": kernels.gemm_isa(), "rows": rows}
     target = Path(args.json or "bench/results/qgemm.json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def alternate(w, x: torch.Tensor, setting, a, b, reps: int) -> tuple[float, float]:
+    """Median ms of w(x) with setting(a) and with setting(b), calls alternating (one warm call each)."""
+    ms: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(2 * reps + 2):
+        setting(b if i % 2 else a)
+        t = time.perf_counter()
+        w(x)
+        if i >= 2:
+            ms[i % 2].append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ms[0]), statistics.median(ms[1])
+
+
+def tiles_ab(m, model: str | None, target: Path) -> int:
+    layer = m.layers[0]
+    rows = []
+    try:
+        for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up),
+                        ("w_down", layer.w_down), ("lm_head", m.lm_head)):
+            if not isinstance(w, QuantWeight) or w.packed is None:
+                continue
+            k = w.packed.shape[1] * 32
+            for mm in (8, 32, 128):
+                x = torch.randn(mm, k).to(torch.bfloat16)
+                reps = min(200, max(8, int(4e9 // (mm * w.n * k))))
+                four, eight = alternate(w, x, kernels.qgemm_tile_rows, 4, 8, reps)
+                rows.append({"weight": name, "format": w.qtype, "n": w.n, "k": k, "m": mm, "calls_each": reps,
+                             "tiles4_ms": round(four, 4), "tiles8_ms": round(eight, 4),
+                             "speedup": round(four / eight, 3), "gmac_s_tiles8": round(mm * w.n * k / eight / 1e6, 1)})
+                print(f"{name:10s} {w.qtype:6s} {w.n:6d}x{k:<5d} M={mm:<4d} tiles of 4 {four:8.3f} ms  "
+                      f"of 8 {eight:8.3f} ms  {four / eight:5.2f}x", flush=True)
+    finally:
+        kernels.qgemm_tile_rows(8)
+    out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
+           "qgemm_isa": kernels.qgemm_isa(), "rows": rows}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=1))
     return 0

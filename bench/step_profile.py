@@ -12,7 +12,7 @@ forward), so each timed step is followed by an untimed one, as the engine runs i
 
     .venv/bin/python bench/step_profile.py [--concurrency 1,8,32,128] [--dtype bf16] [--steps 12]
         [--weights native] [--attention-prefetch 0,2 --rounds 3] [--paired-prefetch-ab 60]
-        [--paired-order-ab 60]
+        [--paired-order-ab 60] [--paired-tiles-ab 60]
 
 Writes bench/results/step_profile_DTYPE.json. Run it alone (2 cores).
 """
@@ -140,6 +140,9 @@ def main() -> int:
     ap.add_argument("--paired-order-ab", type=int, default=0, metavar="STEPS",
                     help="instead of profiling: STEPS untimed steps with the quantized GEMM's big-weight task order "
                          "and prefetch off and on, switched every step (writes step_profile_qgemm_order_paired.json)")
+    ap.add_argument("--paired-tiles-ab", type=int, default=0, metavar="STEPS",
+                    help="instead of profiling: STEPS untimed steps with the quantized GEMM's tiles of 4 rows and of 8 "
+                         "(the AVX-512 VNNI default), switched every step (writes step_profile_qgemm_tiles_paired.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lo, _, hi = args.prompt_len.partition(":")
@@ -152,11 +155,16 @@ def main() -> int:
     if args.paired_order_ab and (bundle.weights != "native" or not kernels.qgemm_order(True)):
         print("--paired-order-ab: the task order is the quantized GEMM's, which runs with native weights only")
         return 2
+    if args.paired_tiles_ab and (bundle.weights != "native" or kernels.qgemm_isa() != "avx512vnni"):
+        print("--paired-tiles-ab: tiles of 8 rows are the quantized GEMM's on AVX-512 VNNI, with native weights only")
+        return 2
     for steps, switch, name, what in (
             (args.paired_prefetch_ab, lambda on: kernels.attention_prefetch(2 if on else 0), "prefetch",
              "attention prefetch 0 / 2"),
             (args.paired_order_ab, kernels.qgemm_order, "qgemm_order",
-             "qgemm chunk by chunk / big weights by group, next panels prefetched")):
+             "qgemm chunk by chunk / big weights by group, next panels prefetched"),
+            (args.paired_tiles_ab, lambda on: kernels.qgemm_tile_rows(8 if on else 4), "qgemm_tiles",
+             "qgemm tiles of 4 rows / of 8")):
         if not steps:
             continue
         pairs = []

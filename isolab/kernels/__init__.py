@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
 # the kernels' run-time settings (isolab_<name>(int)): none changes a bit, each is for an A/B or a test
-SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order")
+SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order",
+            "qgemm_tile_rows")
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
 # -ffp-contract=off: no silent fma, so every ISA level rounds alike. -mtune=generic: `native` takes
 # this CPU's instructions but the same tuning as the x86-64-vN levels; GCC 12 tunes an AMX Xeon as
@@ -244,6 +245,13 @@ def qgemm_order(on: bool) -> bool:
     default), or chunk by chunk with no prefetch (the bench's A/B). No setting changes a bit.
     False without the native kernels."""
     return _set("qgemm_order", on)
+
+
+def qgemm_tile_rows(rows: int = 8) -> bool:
+    """Rows per tile of the quantized GEMM: at most 8 on AVX-512 VNNI (the default), 4 on AVX2 and
+    plain C; 4 is the tiles before 8-row ones, for the bench's A/B (bench/qgemm.py --tiles-ab). No
+    setting changes a bit. False without the native kernels."""
+    return _set("qgemm_tile_rows", rows)
 
 
 def attention_bf16_dot() -> bool:

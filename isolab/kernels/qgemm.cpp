@@ -481,6 +481,13 @@ inline std::atomic<int>& qgemm_order() {
     return order;
 }
 
+// Rows per tile, at most QMR (the default): 4 is the tiles before 8-row tiles, for the bench's A/B.
+// No setting changes a bit. Read once a call (relaxed).
+inline std::atomic<int>& qgemm_tile_rows() {
+    static std::atomic<int> rows{QMR};
+    return rows;
+}
+
 static inline void prefetch_l2(const char* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1 on x86
 
 template <typename TA, typename TO>
@@ -503,6 +510,8 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     const int order = qgemm_order().load(std::memory_order_relaxed);
     const bool by_group = order != 0 && (long)panels * panel_bytes / 2 > (long)M * nb * (long)sizeof(QA);
     const bool prefetch_next = order != 0;
+    const int set_rows = qgemm_tile_rows().load(std::memory_order_relaxed);
+    const int tr = set_rows >= 1 && set_rows < QMR ? set_rows : QMR;  // rows per tile
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -529,11 +538,11 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
                     next_w = (const char*)(W + (long)p2 * panel_bytes);
                     next_lines = np2 * panel_bytes / 64;
                 }
-                const long per_tile = (next_lines + (m1 - m0 + QMR - 1) / QMR - 1) / ((m1 - m0 + QMR - 1) / QMR);
-                for (int m = m0; m < m1; m += QMR) {
+                const long per_tile = (next_lines + (m1 - m0 + tr - 1) / tr - 1) / ((m1 - m0 + tr - 1) / tr);
+                for (int m = m0; m < m1; m += tr) {
                     for (long e = 0; e < per_tile && pf_done < next_lines; e++, pf_done++)
                         prefetch_l2(next_w + pf_done * 64);
-                    const int rows = m1 - m < QMR ? m1 - m : QMR;
+                    const int rows = m1 - m < tr ? m1 - m : tr;
                     const QA* a[QMR];
                     for (int r = 0; r < rows; r++) a[r] = qa + (long)(m + r) * nb;
                     TO* o = out + (long)m * N + (long)p * QP;
@@ -558,6 +567,8 @@ const char* isolab_qgemm_isa() { return QISA; }
 void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
 // 1: big weights' task order and the next task's prefetch (default); 0: chunk by chunk, no prefetch
 void isolab_qgemm_order(int order) { qgemm_order().store(order, std::memory_order_relaxed); }
+// rows per tile, at most 8 on AVX-512 VNNI and 4 elsewhere (the default: the most); no bit changes
+void isolab_qgemm_tile_rows(int rows) { qgemm_tile_rows().store(rows, std::memory_order_relaxed); }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,
