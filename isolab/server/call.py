@@ -125,8 +125,11 @@ class Call:
                 "choices": [c.out.final(c.text.sent, c.finish_reason) for c in self.choices], "usage": self.usage()}
 
     def chunk(self, choice: ChunkChoice) -> Chunk:
-        return {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,
-                "model": self.model, "choices": [choice]}
+        out: Chunk = {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,
+                      "model": self.model, "choices": [choice]}
+        if self.include_usage:  # OpenAI: with include_usage, every chunk but the last carries "usage": null
+            out["usage"] = None
+        return out
 
     def usage_chunk(self) -> Chunk:
         return {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,

@@ -315,7 +315,7 @@ class Chunk(TypedDict):
     created: int
     model: str
     choices: list[ChunkChoice]
-    usage: NotRequired[Usage]
+    usage: NotRequired[Usage | None]
 
 
 class ErrorInfo(BaseModel):

@@ -52,6 +52,9 @@ def test_stream_equals_non_stream_completion(srv):
     assert texts[0] == whole.choices[0].text
     assert reasons[0] == "length"
     assert chunks[-1].usage.completion_tokens == 20
+    # OpenAI: with include_usage every other chunk says "usage": null; without it, none has the field
+    assert all("usage" in ch.model_fields_set and ch.usage is None for ch in chunks[:-1])
+    assert all("usage" not in ch.model_fields_set for ch in c.completions.create(stream=True, **kw))
 
 
 def test_stream_equals_non_stream_chat(srv):
