@@ -37,6 +37,10 @@ class Choice:
     error: str | None = None
     error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError), 503 at shutdown
     error_param: str | None = None  # the field that did, at 400
+    # logprobs entries not yet sent, each with the length of the text its token completes: an entry
+    # goes out with the chunk that carries its token's text (text held back for a stop string, or a
+    # character still being completed, holds its entries back too)
+    held: list[tuple[int, TokenLogprob]] = field(default_factory=list)
 
 
 def _ends_turn(tok: Tokenizer, token: int) -> bool:
@@ -101,9 +105,8 @@ class Call:
             c.num_cached_tokens = o.num_cached_tokens
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
             delta = c.text.push(o.new_token_ids)
-            lps = o.new_logprobs
-            if o.finished and o.finish_reason == "stop" and lps and _ends_turn(c.text.tok, lps[-1].token_id):
-                lps = lps[:-1]  # the EOS / end-of-turn token adds no text: no logprobs entry (as OpenAI)
+            ends = len(c.text.text) + (1 if c.text.pending else 0)
+            c.held.extend((ends, lp) for lp in o.new_logprobs)
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"
@@ -115,6 +118,13 @@ class Call:
                 c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
                            else "the engine failed this request")
             self.metrics.requests_finished.labels(c.finish_reason).inc()
+        if c.held:
+            sent = len(c.text.sent)
+            ready = len(c.held) if o.finished else next((i for i, (ends, _) in enumerate(c.held) if ends > sent), len(c.held))
+            lps = [lp for _, lp in c.held[:ready]]
+            del c.held[:ready]
+            if o.finished and o.finish_reason == "stop" and lps and _ends_turn(c.text.tok, lps[-1].token_id):
+                lps = lps[:-1]  # the EOS / end-of-turn token adds no text: no logprobs entry (as OpenAI)
         return c, c.out.delta(delta, lps, o.prompt_logprobs)
 
     def observe_done(self) -> None:

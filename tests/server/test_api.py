@@ -337,3 +337,22 @@ def test_the_token_that_ends_the_turn_has_no_logprobs_entry(srv, tiny_bundle):
     r = c.completions.create(model=srv.model, prompt="hi", max_tokens=8, temperature=0, logprobs=1,
                              logit_bias={str(eos): 100})
     assert r.choices[0].text == "" and r.choices[0].logprobs.tokens == []
+
+
+def test_a_chunks_logprobs_never_run_ahead_of_its_text(srv):
+    """While text waits for a stop string that may still complete (or for the rest of a character),
+    so do its tokens' logprobs entries: at every chunk, the entries' bytes so far are a prefix of the
+    text so far (they ran ahead before); at the end they are the whole text."""
+    c = srv.client()
+    text = "hello there, general kenobi \u00e9\U0001f44b!"
+    kw = dict(model=srv.model, prompt="hi", max_tokens=60, temperature=0, logprobs=1,
+              extra_body={"guided_choice": [text]})
+    sent, entries = "", []
+    for ch in c.completions.create(stream=True, stop=["there\x01", "kenobi \u00e9\U0001f44b?"], **kw):
+        for choice in ch.choices:
+            sent += choice.text
+            if choice.logprobs:
+                entries += choice.logprobs.tokens
+            joined = b"".join(_unescape(t) for t in entries)
+            assert sent.encode().startswith(joined), (sent, entries)
+    assert sent == text and b"".join(_unescape(t) for t in entries) == text.encode()
