@@ -80,4 +80,5 @@ class Tokenization:
         bad = [t for t in body.tokens if t >= self.tok.vocab_size]
         if bad:
             raise ApiError(400, f"token ids must be in [0, {self.tok.vocab_size}); got {bad[0]}", param="tokens")
-        return {"prompt": self.tok.decode(body.tokens)}
+        # special tokens kept, as vLLM's: /tokenize's ids of a chat prompt decode back to that prompt
+        return {"prompt": self.tok.decode(body.tokens, skip_special_tokens=False)}

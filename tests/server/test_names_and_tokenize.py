@@ -80,6 +80,10 @@ def test_tokenize_and_detokenize_round_trip(srv):
     assert plain.json()["tokens"] == tok.encode("hello world", add_special_tokens=False)
     d = httpx.post(srv.url + "/detokenize", headers=H, json={"tokens": body["tokens"]})
     assert d.status_code == 200 and d.json()["prompt"] == tok.decode(body["tokens"])
+    msgs = [{"role": "user", "content": "hi"}]  # special tokens come back (vLLM's /detokenize keeps them)
+    ids = httpx.post(srv.url + "/tokenize", headers=H, json={"messages": msgs}).json()["tokens"]
+    back = httpx.post(srv.url + "/detokenize", headers=H, json={"tokens": ids}).json()["prompt"]
+    assert back == tok.decode(ids, skip_special_tokens=False) and back != tok.decode(ids)
 
 
 def test_tokenize_chat_messages_as_the_chat_endpoint_counts_them(srv):
