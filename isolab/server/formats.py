@@ -57,7 +57,7 @@ class ChoiceFormat(Protocol):
     def delta(self, text: str, lps: Sequence[TokenLogprob],
               prompt_lps: Sequence[TokenLogprob] | None = None) -> ChunkChoice | None: ...
 
-    def finish(self, reason: str) -> ChunkChoice: ...
+    def finish(self, reason: str) -> Sequence[ChunkChoice]: ...  # the last pieces: the finish_reason's chunk last
 
     def final(self, text: str, reason: str | None) -> FinalChoice: ...
 
@@ -173,8 +173,8 @@ class _CompletionChoice:
             return None
         return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": None}
 
-    def finish(self, reason: str) -> CompletionChoice:
-        return {"index": self.index, "text": "", "logprobs": None, "finish_reason": reason}
+    def finish(self, reason: str) -> list[CompletionChoice]:
+        return [{"index": self.index, "text": "", "logprobs": None, "finish_reason": reason}]
 
     def final(self, text: str, reason: str | None) -> CompletionChoice:
         lp = self.logprobs.total if self.logprobs is not None else None
@@ -240,16 +240,20 @@ class _ChatChoice:
             return None
         return {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
 
-    def finish(self, reason: str) -> ChatChunkChoice:
+    def finish(self, reason: str) -> list[ChatChunkChoice]:
+        """With tools, the held-back text goes out as content or as tool_calls, then (as OpenAI's
+        streams) the finish_reason in a chunk of its own with an empty delta."""
         if self.tools is None:
-            return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+            return [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
         text = "".join(self.tools.parts)
         calls = parse_calls(text, self.tools.plan)
         if calls is None:
-            return {"index": self.index, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
-        deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-        return {"index": self.index, "delta": {"tool_calls": deltas}, "logprobs": None,
-                "finish_reason": "tool_calls" if reason == "stop" else reason}
+            held: ChatChunkChoice = {"index": self.index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        else:
+            held = {"index": self.index, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
+                    "logprobs": None, "finish_reason": None}
+            reason = "tool_calls" if reason == "stop" else reason
+        return ([held] if text else []) + [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
 
     def final(self, text: str, reason: str | None) -> ChatChoice:
         lp = self.logprobs.total if self.logprobs is not None else None

@@ -62,12 +62,15 @@ def test_streamed_tool_calls_equal_the_reply(srv):
     kw = dict(model=srv.model, messages=MSG, tools=TOOLS, max_tokens=200, seed=5, temperature=0.8,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = srv.client().chat.completions.create(**kw).choices[0].message.tool_calls
-    streamed, reason = [], None
+    streamed, reason, last = [], None, None
     for ch in srv.client().chat.completions.create(stream=True, **kw):
         for c in ch.choices:
             streamed += c.delta.tool_calls or []
             reason = c.finish_reason or reason
+            last = c
     assert reason == "tool_calls"
+    # as OpenAI's streams: the finish_reason comes in a chunk of its own, with an empty delta
+    assert last.finish_reason == "tool_calls" and not last.delta.tool_calls and not last.delta.content
     assert [(c.function.name, c.function.arguments) for c in streamed] == \
            [(c.function.name, c.function.arguments) for c in whole]
 
