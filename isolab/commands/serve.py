@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,7 +186,10 @@ def _read_template(path: str | None) -> str | None:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server that marks the app as draining on the first SIGTERM/SIGINT; uvicorn then
-    stops accepting and waits up to timeout_graceful_shutdown for the responses in flight."""
+    stops accepting and waits up to timeout_graceful_shutdown for the responses in flight. A second
+    signal cuts the drain short the same clean way (the engine ends what is left now: an error
+    event and [DONE] each); only a third forces the exit (uvicorn's second Ctrl-C cancelled the
+    responses mid-body, with tracebacks and plain-text 500s)."""
 
     FLUSH_S = 5.0  # after the drain, how long the ended requests' last events have to reach their clients
 
@@ -195,20 +197,25 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app_state = state
         self.drain_s = drain_s
+        self.signals = 0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.app_state.draining:
-            logging.getLogger("isolab.server").info("signal %d: draining running requests", sig)
-            self._cut_leftovers_before_the_deadline()
-        self.app_state.draining = True
         # As uvicorn's own handler, minus re-raising the signal after shutdown: a completed drain
-        # exits 0. A second Ctrl-C still forces the exit.
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
+        # exits 0.
+        self.signals += 1
+        log = logging.getLogger("isolab.server")
+        if self.signals == 1:
+            log.info("signal %d: draining running requests", sig)
+            self._end_leftovers(after_s=self.drain_s)
+        elif self.signals == 2:
+            log.info("signal %d again: ending the running requests now (a third signal forces the exit)", sig)
+            self._end_leftovers(after_s=0.0)
         else:
-            self.should_exit = True
+            self.force_exit = True
+        self.app_state.draining = True
+        self.should_exit = True
 
-    def _cut_leftovers_before_the_deadline(self) -> None:
+    def _end_leftovers(self, after_s: float) -> None:
         """uvicorn cancels the responses still open at timeout_graceful_shutdown, which cuts a stream
         mid-body (no end, no [DONE]). So when the drain time is over the engine ends what is left
         itself, FLUSH_S before that: each stream then gets its error event ('the server is shutting
@@ -218,4 +225,4 @@ class DrainingServer(uvicorn.Server):
         except RuntimeError:
             return
         backend = self.app_state.engine_loop
-        loop.call_later(self.drain_s, lambda: backend.stop(timeout=0))
+        loop.call_later(after_s, lambda: backend.stop(timeout=0))

@@ -67,6 +67,9 @@ class BaseRequest(BaseModel):
             for name in data:
                 if name in refused and data[name] is not None and name not in cls.model_fields:
                     raise RefusedField(name, refused[name])
+            # an explicit null is the default, as OpenAI and vLLM read it (clients send unset options as
+            # null); a required field sent as null is still missing
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
     @model_validator(mode="wrap")

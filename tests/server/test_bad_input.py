@@ -130,3 +130,22 @@ def test_the_surrogate_check_walks_a_body_deeper_than_the_recursion_limit():
     with pytest.raises(RefusedField, match="lone UTF-16 surrogate") as exc:
         refuse_lone_surrogates(bad)
     assert exc.value.name == ".".join(["a"] * depth + ["x"])
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_an_explicit_null_is_the_default(srv, path, body):
+    """Clients that write unset options as null (as OpenAI and vLLM read them): every optional field
+    of the request may be null, and the reply is the one without it."""
+    from isolab.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if path.endswith("chat/completions") else CompletionRequest
+    nulls = {name: None for name, f in model.model_fields.items() if not f.is_required() and name not in body}
+    base = {**body, "max_tokens": 3, "temperature": 0}
+    r = _post(srv, path, {**nulls, **base})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == _post(srv, path, base).json()["choices"]
+    missing = _post(srv, path, {**base, next(iter(body)): None})  # a required field sent as null
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == next(iter(body))

@@ -125,3 +125,52 @@ def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(t
     assert "usage" in endless.events[-1]  # include_usage: the usage chunk still closes it
     assert sum(1 for e in endless.events if e.get("choices") and e["choices"][0]["text"]) < 3000
     assert "timeout graceful shutdown exceeded" not in text
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_a_second_signal_ends_the_drain_now_without_cutting_a_stream(tmp_path):
+    """SIGTERM, then Ctrl-C a second later (an impatient operator): the requests left end at once
+    the clean way, an error event and [DONE] each, never a body cut mid-stream or a traceback, and
+    the process exits 0 long before --drain-timeout."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-test": "t1"}))
+    port = free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolab.cli", "serve", "--api-keys", str(keys), "--port", str(port),
+         "--device", "cpu", "--kv-cache-memory", "128MiB", "--drain-timeout", "60"],
+        env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, open(tmp_path / "server.log").read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        streams = [_Stream(url, "sk-test", 3000) for _ in range(3)]
+        for s in streams:
+            s.start()
+        assert all(s.first.wait(60) for s in streams)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - signalled < 30  # not the 60 s drain
+        for s in streams:
+            s.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = open(tmp_path / "server.log").read()
+    assert "ending the running requests now" in text and "Traceback" not in text, text[-3000:]
+    for s in streams:
+        assert s.done and s.error is None, (s.error, text[-2000:])
+        assert [e["error"]["message"] for e in s.events if "error" in e] == ["the server is shutting down"]
