@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop),
     )
     llm = LLM(**llm_kwargs(args))
-    detok = Detokenizer(llm.tokenizer, params.stop)
+    detok = Detokenizer(llm.tokenizer, params.stop, params.min_tokens)
 
     def on_step(outputs):
         for o in outputs:

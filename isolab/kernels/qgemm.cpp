@@ -511,7 +511,10 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     const bool by_group = order != 0 && (long)panels * panel_bytes / 2 > (long)M * nb * (long)sizeof(QA);
     const bool prefetch_next = order != 0;
     const int set_rows = qgemm_tile_rows().load(std::memory_order_relaxed);
-    const int tr = set_rows >= 1 && set_rows < QMR ? set_rows : QMR;  // rows per tile
+    int tr = set_rows >= 1 && set_rows < QMR ? set_rows : QMR;  // rows per tile
+    // s8 records (Q8_0, Q6_K: the vocabulary head) at many rows: 8 rows x 2 panels of their int32
+    // sums spill, and 4-row tiles ran 4% faster at 128 rows (bench/qgemm.py --tiles-ab)
+    if (fmt != U4 && M >= 96 && tr > 4) tr = 4;
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -533,6 +536,7 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
                 // the owner's next task's panels, if other than these: into L2, a slice a row tile
                 const char* next_w = nullptr;
                 long next_lines = 0, pf_done = 0;
+                // (a task of 16 rows or more: 4 tiles of 4 rows when this was written, 2 of 8 now)
                 if (prefetch_next && i + 1 < chunks * per && m1 - m0 >= 16 && group_of(i + 1) != g) {
                     const int p2 = group_of(i + 1) * qnp, np2 = panels - p2 < qnp ? panels - p2 : qnp;
                     next_w = (const char*)(W + (long)p2 * panel_bytes);

@@ -126,10 +126,6 @@ class Tokenizer:
                                       field=field) from None
         return self._ids(cast(str, text), False)
 
-    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        """Per-token text (decoded one token at a time; a piece of a UTF-8 character reads as U+FFFD)."""
-        return [cast(str, self._tok.decode([t])) for t in token_ids]
-
     def token_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes, exactly (OpenAI's logprobs `bytes`): a token that holds part of a
         UTF-8 character gives that part, so a client can join the bytes back into the text, where

@@ -105,7 +105,10 @@ class Call:
             c.num_cached_tokens = o.num_cached_tokens
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
             delta = c.text.push(o.new_token_ids)
-            ends = len(c.text.text) + (1 if c.text.pending else 0)
+            # the text its token completes: with a character still open (a pending that may hold whole
+            # characters before it, e.g. " " then the first bytes of an emoji), that character too
+            pending = c.text.pending
+            ends = len(c.text.text) + (len(pending.rstrip("\ufffd")) + 1 if pending else 0)
             c.held.extend((ends, lp) for lp in o.new_logprobs)
         if o.finished:
             delta += c.text.finish()

@@ -25,6 +25,7 @@ from isolab.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionRequest,
+    ChatLogprobsBody,
     ChunkChoice,
     CompletionChoice,
     CompletionRequest,
@@ -232,9 +233,10 @@ class _ChatChoice:
 
     def delta(self, text: str, lps: Sequence[TokenLogprob],
               prompt_lps: Sequence[TokenLogprob] | None = None) -> ChatChunkChoice | None:
-        if self.tools is not None:
+        if self.tools is not None:  # held to the end, and its logprobs with it
             self.tools.parts.append(text)
-            text = ""
+            self.tools.lps.extend(lps)
+            text, lps = "", ()
         lp = self.logprobs.push(lps) if self.logprobs is not None and lps else None
         if not text and lp is None:
             return None
@@ -246,16 +248,26 @@ class _ChatChoice:
         if self.tools is None:
             return [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
         text = "".join(self.tools.parts)
+        lp = self._held_logprobs()
         calls = parse_calls(text, self.tools.plan)
         if calls is None:
-            held: ChatChunkChoice = {"index": self.index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+            held: ChatChunkChoice = {"index": self.index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
         else:
             held = {"index": self.index, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]},
-                    "logprobs": None, "finish_reason": None}
+                    "logprobs": lp, "finish_reason": None}
             reason = "tool_calls" if reason == "stop" else reason
-        return ([held] if text else []) + [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+        return ([held] if text or lp else []) + [{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason}]
+
+    def _held_logprobs(self) -> ChatLogprobsBody | None:
+        """The held text's logprobs entries, once (a stream sends them at finish; a reply has them all)."""
+        if self.tools is None or self.logprobs is None or not self.tools.lps:
+            return None
+        lp = self.logprobs.push(self.tools.lps)
+        self.tools.lps.clear()
+        return lp
 
     def final(self, text: str, reason: str | None) -> ChatChoice:
+        self._held_logprobs()
         lp = self.logprobs.total if self.logprobs is not None else None
         calls = parse_calls(text, self.tools.plan) if self.tools is not None else None
         if calls is None:

@@ -22,8 +22,8 @@ def _finite(lp: float) -> float:
 
 def _text(raw: bytes) -> str:
     """A token's text: its bytes as UTF-8, where a piece of a character is written as \\xNN escapes
-    (as OpenAI writes it), so two tokens never print alike and a client reads the exact bytes from
-    `bytes`."""
+    (as OpenAI writes it), so pieces do not all print as U+FFFD (two tokens of the same bytes, e.g.
+    Gemma's <0x41> and A, still print alike); a client reads the exact bytes from `bytes`."""
     return raw.decode("utf-8", errors="backslashreplace")
 
 

@@ -121,7 +121,7 @@ class Serving:
             for j in range(body.n):
                 index = p_i * body.n + j
                 rid = f"{response_id}-{index}"
-                choices.append(Choice(index, rid, Detokenizer(self.tok, body.stop_list()),
+                choices.append(Choice(index, rid, Detokenizer(self.tok, body.stop_list(), body.min_tokens),
                                       fmt.choice(index, plan.logprobs is not None, ids, plan.echo, plan.tools)))
                 engine_requests.append(EngineRequest(rid, ids, params[j]))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

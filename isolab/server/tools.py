@@ -93,7 +93,7 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 
 
 def _parameters(tool: ToolSpec) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
+    return tool.function.parameters or NO_PARAMETERS  # (an empty schema too: it would admit any JSON)
 
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
@@ -103,7 +103,9 @@ def _call_schema(tool: ToolSpec) -> dict[str, Any]:
 
 
 def plan_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel: bool | None) -> ToolPlan | None:
-    """None when no tool may be called (no tools, or tool_choice none); a ToolError names a bad field."""
+    """None when no tool may be called (no tools, or tool_choice none); a ToolError names a bad field.
+    parallel None is OpenAI's default, true."""
+    parallel = True if parallel is None else parallel
     if choice is not None and not tools and choice != "none":
         raise ToolError("tool_choice needs tools", "tool_choice")
     if not tools or choice == "none":
@@ -171,3 +173,4 @@ class ToolOutput:
 
     plan: ToolPlan
     parts: list[str] = field(default_factory=list)
+    lps: list[Any] = field(default_factory=list)  # the held text's logprobs entries (TokenLogprob), sent with it

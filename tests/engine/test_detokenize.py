@@ -25,28 +25,44 @@ def begun(text: str, stops: list[str]) -> int:
 ALPHABET = "abQ "
 
 
+def counted(seen: str, stops: list[str], min_tokens: int) -> list[int]:
+    """Where the stop strings that count start: those ending past the first min_tokens - 1 characters
+    (one character a token here), as the engine's rule checks them."""
+    return [i for s in stops for i in range(len(seen) - len(s) + 1)
+            if seen.startswith(s, i) and i + len(s) > max(0, min_tokens - 1)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text(ALPHABET, max_size=40), st.lists(st.text(ALPHABET, min_size=1, max_size=6), min_size=1, max_size=4),
-       st.lists(st.integers(1, 3), min_size=1, max_size=40))
-def test_held_back_is_only_what_begins_a_stop_string(text, stops, steps):
-    """The engine ends a request at the push whose text holds a stop string (scheduler._check_stop);
-    the stream stops there too."""
-    d = Detokenizer(CharTokenizer(), stops)
+       st.lists(st.integers(1, 3), min_size=1, max_size=40), st.integers(0, 8))
+def test_held_back_is_only_what_begins_a_stop_string(text, stops, steps, min_tokens):
+    """The engine ends a request at the push whose text completes a stop string that counts
+    (scheduler._check_stop; none before min_tokens); the stream stops there too."""
+    d = Detokenizer(CharTokenizer(), stops, min_tokens)
     sent, pos = "", 0
     for n in steps * 40:
         if pos >= len(text):
             break
+        n = 1 if pos < min_tokens else n  # the engine checks each token from min_tokens on
         sent += d.push([ord(c) for c in text[pos : pos + n]])
         pos += n
         seen = text[:pos]
-        if any(s in seen for s in stops):
+        if counted(seen, stops, min_tokens):
             break
         assert sent == seen[: len(seen) - begun(seen, stops)]  # all but a stop's beginning is out
     seen = text[:pos]
-    cuts = [i for i in (seen.find(s) for s in stops) if i != -1]
+    cuts = counted(seen, stops, min_tokens)
     final = seen[: min(cuts)] if cuts else seen
     assert final.startswith(sent)  # nothing past the earliest stop string went out
     assert sent + d.finish() == final
+
+
+def test_stop_strings_before_min_tokens_do_not_cut_the_text():
+    """min_tokens=6 with stop ".": the engine ignores the "." of the first 5 tokens and stops at the
+    next one, so the reply is "A. B. C", not "A" (one character a token)."""
+    d = Detokenizer(CharTokenizer(), ["."], min_tokens=6)
+    out = "".join(d.push([ord(c)]) for c in "A. B. C. D")
+    assert out + d.finish() == "A. B. C"
 
 
 def test_a_long_stop_string_does_not_hold_back_text_that_cannot_begin_it():

@@ -85,3 +85,44 @@ def test_a_failed_choice_streams_one_error_event(tiny_bundle):
         assert payloads[0] == error_body("the engine failed this request", type="server_error")
         assert payloads[1]["choices"] == [] and payloads[1]["usage"]["completion_tokens"] == 0
         assert call.finished and call.choices[0].error
+
+
+def test_logprobs_wait_for_a_character_a_token_only_begins(real_bundle):
+    """SmolLM2 has tokens that hold a whole character and the first bytes of the next (" \\xf0\\x9f"
+    of " 👋"): while that next character and a stop string that may still complete hold the text
+    back, the token's logprobs entry waits too; at every chunk the entries' bytes are a prefix of the
+    text sent."""
+    from isolab.engine.request import TokenLogprob
+
+    tok = real_bundle.tokenizer
+    fmt = CompletionFormat(tok, Limits(ServerConfig(), 4096))
+    metrics = ServerMetrics(lambda: {}, lambda: 0)
+    text = "Hi \U0001f44b there, hi \U0001f44b!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(b.startswith(b" \xf0") for b in tok.token_bytes(ids))  # the case this test is for
+    choice = Choice(0, "r-0", Detokenizer(tok, ["\U0001f44b?"]), fmt.choice(0, True))
+    call = Call(fmt, "x-1", 0, "m", [3], [choice], True, False, time.monotonic(), metrics)
+    sent, joined = "", b""
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        out = RequestOutput("r-0", new_token_ids=(t,), new_logprobs=(TokenLogprob(t, -0.5, ((t, -0.5),)),),
+                            output_token_ids=tuple(ids[: i + 1]), finished=last, finish_reason="length" if last else None,
+                            stop_reason=None, num_prompt_tokens=3, num_cached_tokens=0)
+        _, piece = call.consume(out)
+        if piece is not None:
+            sent += piece["text"]
+            for e in (piece["logprobs"] or {}).get("tokens", []):
+                joined += _piece_bytes(e)
+        assert sent.encode().startswith(joined), (sent, joined)
+    assert sent == text and joined == text.encode()
+
+
+def _piece_bytes(token: str) -> bytes:
+    """A logprobs token's bytes back from its text (\\xNN: one byte of a character cut by the token)."""
+    out, i = b"", 0
+    while i < len(token):
+        if token.startswith("\\x", i):
+            out, i = out + bytes([int(token[i + 2:i + 4], 16)]), i + 4
+        else:
+            out, i = out + token[i].encode(), i + 1
+    return out

@@ -178,3 +178,31 @@ def test_a_call_names_its_function_before_its_arguments(srv):
                                              parallel_tool_calls=False, max_tokens=8, seed=0)
     text = r.choices[0].message.content or ""
     assert r.choices[0].finish_reason == "length" and text.startswith('{"name"'), text
+
+
+def test_an_empty_parameters_schema_takes_no_arguments():
+    """parameters {} admits any JSON: read as no parameters (arguments {}), as a missing one is, so a
+    required call's arguments always parse as an object."""
+    from isolab.server.tools import ToolSpec, plan_tools
+
+    plan = plan_tools([ToolSpec.model_validate({"type": "function", "function": {"name": "now", "parameters": {}}})],
+                      "required", False)
+    assert json.loads(plan.structured.source)["anyOf"][0]["properties"]["arguments"] == {
+        "type": "object", "properties": {}, "additionalProperties": False}
+
+
+def test_logprobs_of_a_held_tool_reply_go_with_it(srv):
+    """With tools the text is held to the end; its logprobs are held with it: a stream sends no entry
+    before the call (or content) goes out, and stream and reply carry the same entries."""
+    kw = dict(model=srv.model, messages=MSG, tools=TOOLS, max_tokens=60, seed=2, temperature=0.8, logprobs=True,
+              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = srv.client().chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.logprobs.content
+    seen_call, entries = False, []
+    for ch in srv.client().chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            if c.logprobs and c.logprobs.content:
+                assert c.delta.tool_calls, "logprobs went out before the call they belong to"
+                entries += c.logprobs.content
+            seen_call |= bool(c.delta.tool_calls)
+    assert seen_call and [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.logprobs.content]
