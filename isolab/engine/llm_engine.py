@@ -100,6 +100,17 @@ class LLMEngine:
             faults=faults,
             windows=tuple(g.window for g in self.kv_groups),
         )
+        # The most tokens (prompt + new) one request can hold: the context, or less where the KV pool
+        # is smaller (the largest total the add_request check below admits). The server caps its
+        # default max_tokens by it.
+        lo, hi = 0, self.max_model_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.max_blocks_needed(mid, config.scheduler.max_num_batched_tokens) <= self.pool.num_usable_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        self.max_request_tokens = lo
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len,
                                    end_of_turn=self.tokenizer.end_of_turn_ids)
         self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id, self.kv_groups)

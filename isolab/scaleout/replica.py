@@ -54,7 +54,7 @@ class EngineReplica:
         e = self.engine
         return ReplicaFacts(path=str(e.bundle.path), name=e.bundle.name, fingerprint=e.bundle.fingerprint,
                             arch=e.bundle.hparams.arch, vocab_size=e.bundle.hparams.vocab_size,
-                            max_model_len=e.max_model_len, max_num_seqs=e.config.scheduler.max_num_seqs,
+                            max_model_len=e.max_request_tokens, max_num_seqs=e.config.scheduler.max_num_seqs,
                             numerics=e.model.numerics)
 
     def stats(self) -> dict[str, float | str]:

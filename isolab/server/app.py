@@ -51,7 +51,7 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     """The app over one in-process engine; its thread starts with the app's lifespan and stops
     (aborting) with it."""
     names = default_model_names(engine.bundle.path, engine.bundle.name)
-    facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_model_len,
+    facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_request_tokens,
                        max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
                        grammars=engine.grammars,  # built here, before the engine thread starts
                        numerics=engine.model.numerics)

@@ -50,7 +50,7 @@ class EngineBackend(Protocol):
 class ModelFacts:
     tokenizer: Tokenizer
     default_names: tuple[str, ...]  # the served ids when --served-model-name is not given
-    max_model_len: int
+    max_model_len: int  # the most tokens (prompt + new) a request may hold: the context, or the KV pool if smaller
     max_num_seqs: int  # per engine
     num_engines: int  # the admission bound is num_engines * (max_num_seqs + max_queue)
     grammars: GrammarCompiler  # compiled grammars are shared read-only (validation at the door)

@@ -96,8 +96,13 @@ class Limits:
                 raise ApiError(400, f"max_tokens is {requested}; this server allows at most {limit}", param="max_tokens")
             return requested
         value = min(default, limit)
-        if prompt_len is not None:  # room left in the context, so a long chat still gets an answer
-            value = max(1, min(value, self.max_model_len - prompt_len))
+        if prompt_len is not None:  # room left in the context (and the KV pool), so a long chat still gets an answer
+            room = self.max_model_len - prompt_len
+            if room < 1:
+                raise ApiError(400, f"the prompt has {prompt_len} tokens, which leaves no room for an answer in the "
+                                    f"{self.max_model_len} tokens a request may hold", param="messages",
+                               code="context_length_exceeded")
+            value = min(value, room)
         return value
 
 

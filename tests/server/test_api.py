@@ -271,6 +271,24 @@ def test_engine_context_limit_is_400(server_factory, tiny_bundle):
                                              temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 64
+    # a chat prompt that fills the context is refused for what it is (not "max_tokens is 1")
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "b" * 80}])
+    assert e.value.body["code"] == "context_length_exceeded" and "no room for an answer" in e.value.body["message"]
+
+
+def test_the_chat_default_fits_a_kv_pool_smaller_than_the_context(server_factory, tiny_bundle):
+    """A pool that holds fewer tokens than the context: a chat without max_tokens gets the room left
+    in the pool (it was refused: 'needs 18 KV blocks but the cache holds 10'), and /tokenize reports
+    what a request may hold."""
+    srv = server_factory(tiny_bundle, kv_cache_memory=40 * 1024)
+    held = srv.engine.max_request_tokens
+    assert held < srv.engine.max_model_len
+    r = srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}],
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens + r.usage.completion_tokens == held
+    t = httpx.post(srv.url + "/tokenize", headers={"Authorization": "Bearer sk-alice"}, json={"prompt": "hi"}).json()
+    assert t["max_model_len"] == held
 
 
 def test_no_text_in_logs_or_metrics(srv, caplog):
