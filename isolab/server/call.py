@@ -63,6 +63,7 @@ class Call:
     metrics: ServerMetrics
     first_token_at: float | None = None
     done: bool = False
+    errors_sent: set[str] = field(default_factory=set)  # a stream sends each error once, not once a choice
     by_request: dict[str, Choice] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -77,6 +77,9 @@ async def _events(call: Call, queue: Outputs) -> AsyncIterator[str]:
 def _events_of(call: Call, o: RequestOutput) -> list[str]:
     c, piece = call.consume(o)
     if c.error:
+        if c.error in call.errors_sent:  # n choices of one request fail alike (one grammar): one event
+            return []
+        call.errors_sent.add(c.error)
         return [_sse(error_body(c.error, type=_error_type(c), param=c.error_param, code=_error_code(c)))]
     events = [] if piece is None else [_sse(call.chunk(piece))]
     if c.finish_reason is not None:

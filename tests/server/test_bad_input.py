@@ -73,6 +73,11 @@ def test_a_grammar_no_token_continues_is_an_error_not_a_stop(srv):
     assert lines[-1] == "data: [DONE]"
     assert "no token continues" in json.loads(lines[-2][6:])["error"]["message"]
     assert not any('"finish_reason":"stop"' in line.replace(" ", "") for line in lines)
+    # n choices of one grammar fail alike: the stream says so once, not once a choice
+    with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True, "n": 3}, headers=H,
+                      timeout=120) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert sum('"error"' in line for line in lines) == 1 and lines[-1] == "data: [DONE]"
     srv.wait_idle()
     assert srv.metrics()["isolab_kv_blocks_used"] == 0
 
