@@ -118,6 +118,7 @@ class Call:
                 c.error, c.error_status, c.error_param = str(o.error), 400, o.error.field
             elif isinstance(o.error, RequestAborted):  # the server is shutting down (its drain ran out)
                 c.error, c.error_status = str(o.error), 503
+                c.finish_reason = "shutdown"  # (not a client's abort, in the log and the metrics)
             elif o.error is not None or o.finish_reason == "error":
                 c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
                            else "the engine failed this request")

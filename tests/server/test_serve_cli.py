@@ -171,6 +171,7 @@ def test_a_second_signal_ends_the_drain_now_without_cutting_a_stream(tmp_path):
             proc.wait()
     text = open(tmp_path / "server.log").read()
     assert "ending the running requests now" in text and "Traceback" not in text, text[-3000:]
+    assert "finish=shutdown" in text  # the log tells a drain's end from a client's abort
     for s in streams:
         assert s.done and s.error is None, (s.error, text[-2000:])
         assert [e["error"]["message"] for e in s.events if "error" in e] == ["the server is shutting down"]
