@@ -11,8 +11,8 @@ stop string, as OpenAI does; a stop string that ends in the text of the first mi
 tokens does not count, as the engine's stop rule does not check them (engine/stop.py). Each stop
 string has its own matcher (Knuth-Morris-Pratt: the longest end of the text that begins it, moved
 by the new characters only), so a token costs O(its characters x stop strings), whatever the
-length of the text or of the stop strings (64 of 1,024 characters are allowed). `finish()` decodes the whole output once, so the deltas
-always add up to exactly the final text.
+length of the text or of the stop strings (64 of 1,024 characters are allowed). `finish()`
+decodes the whole output once, so the deltas always add up to exactly the final text.
 
     ids:   i0 i1 i2 i3 i4 i5
                  ^prefix  ^read       decoded = text of ids[:read]
