@@ -67,9 +67,7 @@ class BaseRequest(BaseModel):
             for name in data:
                 if name in refused and data[name] is not None and name not in cls.model_fields:
                     raise RefusedField(name, refused[name])
-            # an explicit null is the default, as OpenAI and vLLM read it (clients send unset options as
-            # null); a required field sent as null is still missing
-            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            data = drop_nulls(cls, data)
         return data
 
     @model_validator(mode="wrap")
@@ -142,9 +140,22 @@ class BaseRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def drop_nulls(model: type[BaseModel], data: Any) -> Any:
+    """An explicit null for a field of `model` is its default (a required one stays missing), as
+    OpenAI and vLLM read it: clients write unset options as null."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields}
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return drop_nulls(cls, data)
 
 
 class CompletionRequest(BaseRequest):
@@ -178,7 +189,8 @@ class ChatMessage(BaseModel):
         """What OpenAI requires of each role: content, except where an assistant turn made tool calls;
         a tool result names the call it answers."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content" + (" (or tool_calls)" if self.role == "assistant" else ""))
+            article = "an" if self.role[:1] in "aeiou" else "a"
+            raise ValueError(f"{article} {self.role} message needs content" + (" (or tool_calls)" if self.role == "assistant" else ""))
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self

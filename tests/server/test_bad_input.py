@@ -154,3 +154,7 @@ def test_an_explicit_null_is_the_default(srv, path, body):
     assert r.json()["choices"] == _post(srv, path, base).json()["choices"]
     missing = _post(srv, path, {**base, next(iter(body)): None})  # a required field sent as null
     assert missing.status_code == 400 and missing.json()["error"]["param"] == next(iter(body))
+    # nested options too
+    r = _post(srv, path, {**base, "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert _post(srv, "/tokenize", {"prompt": "hi", "add_special_tokens": None}).status_code == 200
