@@ -309,12 +309,13 @@ def judge_monitoring(responses: Sequence[tuple[str, int, str]], secrets: Iterabl
         hit = next((s for s in needles if s in low), None)
         if hit is not None:
             bad.append(f"GET {path} -> {status} contains prompt text {hit[:40]!r}")
-    open_paths = [p for p, s, _ in responses if s == 200]
+    open_paths = list(dict.fromkeys(p for p, s, _ in responses if s == 200))  # (each path is fetched twice)
+    paths = len({p for p, _, _ in responses})
     data = {"paths": [{"path": p, "status": s, "bytes": len(b)} for p, s, b in responses]}
     if bad:
         return Verdict(name, Status.FAIL, f"{len(bad)} unauthenticated endpoint(s) show prompt text", bad, data)
-    return Verdict(name, Status.PASS, f"{len(responses)} paths fetched ({len(open_paths)} answered 200: "
-                   f"{', '.join(open_paths) or 'none'}); no prompt text", [], data)
+    return Verdict(name, Status.PASS, f"{paths} paths fetched {len(responses) // max(paths, 1)} times ({len(open_paths)} "
+                   f"answered 200: {', '.join(open_paths) or 'none'}); no prompt text", [], data)
 
 
 def combine(name: str, parts: Sequence[Verdict]) -> Verdict:

@@ -163,8 +163,9 @@ def test_timing_ks_with_positive_control():
 
 def test_monitoring():
     secrets = ["zq-canary-kvtbrm", "Kvtbrm notes. The access code is"]
-    ok = judge_monitoring([("/metrics", 200, "isolab_steps 3"), ("/slots", 404, "not found")], secrets)
+    ok = judge_monitoring([("/metrics", 200, "isolab_steps 3"), ("/slots", 404, "not found")] * 2, secrets)
     assert ok.status is Status.PASS
+    assert "2 paths fetched 2 times (1 answered 200: /metrics)" in ok.summary  # each path named once
     bad = judge_monitoring([("/slots", 200, '[{"prompt": "... zq-canary-kvtbrm ..."}]')], secrets)
     assert bad.status is Status.FAIL and "/slots" in bad.evidence[0]
 
