@@ -51,13 +51,8 @@ def main() -> int:
         return order_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"))
     if args.tiles_ab:
         return tiles_ab(m, args.model, Path(args.json or "bench/results/qgemm_tiles.json"))
-    layer = m.layers[0]
     rows = []
-    for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
-                    ("lm_head", m.lm_head)):
-        if not isinstance(w, QuantWeight) or w.packed is None:
-            continue
-        k = w.packed.shape[1] * 32
+    for name, w, k in quantized_weights(m):
         dense = kernels.pack_weight(torch.from_numpy(w_dense(w)).to(torch.bfloat16))
         for mm in (1, 32, 512):
             if name == "lm_head" and mm == 512:
@@ -77,6 +72,14 @@ def main() -> int:
     return 0
 
 
+def quantized_weights(m) -> list[tuple[str, QuantWeight, int]]:
+    """The first layer's quantized GEMMs and the vocabulary head: (name, weight, K)."""
+    layer = m.layers[0]
+    named = (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up), ("w_down", layer.w_down),
+             ("lm_head", m.lm_head))
+    return [(name, w, w.packed.shape[1] * 32) for name, w in named if isinstance(w, QuantWeight) and w.packed is not None]
+
+
 def alternate(w, x: torch.Tensor, setting, a, b, reps: int) -> tuple[float, float]:
     """Median ms of w(x) with setting(a) and with setting(b), calls alternating (one warm call each)."""
     ms: dict[int, list[float]] = {0: [], 1: []}
@@ -90,14 +93,9 @@ def alternate(w, x: torch.Tensor, setting, a, b, reps: int) -> tuple[float, floa
 
 
 def tiles_ab(m, model: str | None, target: Path) -> int:
-    layer = m.layers[0]
     rows = []
     try:
-        for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up),
-                        ("w_down", layer.w_down), ("lm_head", m.lm_head)):
-            if not isinstance(w, QuantWeight) or w.packed is None:
-                continue
-            k = w.packed.shape[1] * 32
+        for name, w, k in quantized_weights(m):
             for mm in (8, 32, 128):
                 x = torch.randn(mm, k).to(torch.bfloat16)
                 reps = min(200, max(8, int(4e9 // (mm * w.n * k))))
@@ -117,26 +115,13 @@ def tiles_ab(m, model: str | None, target: Path) -> int:
 
 
 def order_ab(m, model: str | None, target: Path) -> int:
-    layer = m.layers[0]
     rows = []
     try:
-        for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w_gate_up", layer.w_gate_up),
-                        ("w_down", layer.w_down), ("lm_head", m.lm_head)):
-            if not isinstance(w, QuantWeight) or w.packed is None:
-                continue
-            k = w.packed.shape[1] * 32
+        for name, w, k in quantized_weights(m):
             for mm in (1, 32, 128, 512):
                 x = torch.randn(mm, k).to(torch.bfloat16)
                 reps = min(200, max(8, int(4e9 // (mm * w.n * k))))
-                ms: dict[bool, list[float]] = {False: [], True: []}
-                for i in range(2 * reps + 2):
-                    on = i % 2 == 1
-                    kernels.qgemm_order(on)
-                    t = time.perf_counter()
-                    w(x)
-                    if i >= 2:  # one warm call each
-                        ms[on].append((time.perf_counter() - t) * 1e3)
-                off, on_ = statistics.median(ms[False]), statistics.median(ms[True])
+                off, on_ = alternate(w, x, kernels.qgemm_order, False, True, reps)
                 rows.append({"weight": name, "format": w.qtype, "n": w.n, "k": k, "m": mm, "calls_each": reps,
                              "chunk_by_chunk_ms": round(off, 4), "default_ms": round(on_, 4),
                              "saving": round(1 - on_ / off, 4)})

@@ -72,13 +72,6 @@ def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
     return llm_kwargs(ns)
 
 
-def _check_plot_path(path: str | None, option: str) -> None:
-    """A plot file matplotlib can write, in a writable folder."""
-    from isolab.commands.outputs import check_output_path
-
-    check_output_path(path, option, plot=True)
-
-
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -90,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from isolab.doctor.workload import builtin_workload, load_jsonl
 
     check_output_path(args.json, "--json")  # before any work: a path that cannot be written is a sentence now
-    _check_plot_path(args.plot, "--plot")
+    check_output_path(args.plot, "--plot", plot=True)
     try:
         concurrencies = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
         assert concurrencies and min(concurrencies) >= 1

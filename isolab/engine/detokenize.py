@@ -81,9 +81,8 @@ class Detokenizer:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.tok = tokenizer
-        self.stop = tuple(stop)
         self.min_tokens = min_tokens
-        self._matchers = [_StopMatcher(s) for s in self.stop]
+        self._matchers = [_StopMatcher(s) for s in stop]
         self._fed = 0  # characters of self.text the matchers have seen
         self._checked_from = 0  # a match ending at or before this character is before min_tokens: no stop
         self.first_stop: int | None = None  # where the earliest counted stop string starts in self.text

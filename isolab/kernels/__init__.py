@@ -116,7 +116,7 @@ def isa_level() -> str:
 
 
 BUILD_TMP_PREFIX = "isolab-kernels-tmp-"  # a build's folder in the cache until its .so is renamed in
-_loaded_from: list[Path] = []
+_loaded_from: list[Path] = []  # the .so _library loaded (the cache's, or a private build's)
 
 
 def cache_unwritable(exc: OSError) -> bool:
@@ -125,7 +125,7 @@ def cache_unwritable(exc: OSError) -> bool:
     if exc.filename is None:
         return False
     at, root = Path(str(exc.filename)), cache_root()
-    return at.is_relative_to(root) or root.is_relative_to(at)  # the .so _library loaded (the cache's, or a private build's)
+    return at.is_relative_to(root) or root.is_relative_to(at)
 
 
 @functools.lru_cache(maxsize=1)

@@ -45,14 +45,14 @@ namespace {
 constexpr int QK = 32;     // k's per block
 constexpr int QP = 16;     // columns per panel
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define QMR_MAX 8
+#define QMR_MAX 8  // (for the preprocessor: tile's switch)
 // rows per tile: a weight vector unpacked once serves 8 rows. The kernel is bound by the vector ports
 // (dot products, unpacking, the fold; loads are free), and 8 rows spend 15% fewer of them a product
 // than 4 do, though the float sums of 8 rows x 2 panels spill to L1 (bench/qgemm.py)
-constexpr int QMR = 8;
+constexpr int QMR = QMR_MAX;
 #else
 #define QMR_MAX 4
-constexpr int QMR = 4;     // rows per tile (AVX2's 16 ymm registers)
+constexpr int QMR = QMR_MAX;  // rows per tile (AVX2's 16 ymm registers)
 #endif
 constexpr int QMC = 96;    // rows per cache block of the quantized A
 
@@ -463,7 +463,7 @@ static void tile(int rows, const uint8_t* W, long ps, int nb, bool fp16, const Q
             }
         }
 }
-static_assert(QMR == QMR_MAX, "tile's switch covers 1..QMR rows");
+static_assert(QMR == 4 || QMR == 8, "tile's switch covers 1..QMR rows");
 
 template <int FMT, typename TO>
 static void tiles(int np, int rows, const uint8_t* W, long ps, int nb, bool fp16, const QA* const* a, TO* out, long ldo,

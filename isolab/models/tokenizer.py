@@ -6,6 +6,7 @@ cached on disk by file fingerprint, so a second start skips the slow conversion.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -134,34 +135,22 @@ class Tokenizer:
         (Gemma) spell a byte as <0xNN> and a space as U+2581; added tokens are their text.
         tests/models/test_tokenizer.py checks every token of the vocabulary against llguidance's
         own table."""
-        table = self._bytes_table()
-        return [table(t) for t in token_ids]
+        return [self._token_bytes_of(t) for t in token_ids]
 
-    def _bytes_table(self) -> Callable[[int], bytes]:
-        import functools
-        import json
+    @functools.cached_property
+    def _token_bytes_of(self) -> Callable[[int], bytes]:
+        """One token id -> its bytes (cached a token), built on first use from the backend's decoder."""
         import re
 
-        made: Callable[[int], bytes] | None = getattr(self, "_token_bytes", None)
-        if made is not None:
-            return made
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
         tok = self._tok
         backend = getattr(tok, "backend_tokenizer", None)
-        decoder = json.loads(backend.decoder.__getstate__()) if backend is not None and backend.decoder else {}
-        kinds = json.dumps(decoder)
+        kinds = backend.decoder.__getstate__().decode() if backend is not None and backend.decoder else ""
         byte_level = '"ByteLevel"' in kinds
         byte_fallback = '"ByteFallback"' in kinds
         added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
-        inverse: dict[str, int] = {}
-        if byte_level:  # GPT-2's bytes_to_unicode, inverted
-            bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-            cs, n = list(bs), 0
-            for b in range(256):
-                if b not in bs:
-                    bs.append(b)
-                    cs.append(256 + n)
-                    n += 1
-            inverse = {chr(c): b for b, c in zip(bs, cs, strict=True)}
+        inverse = {c: b for b, c in bytes_to_unicode().items()} if byte_level else {}  # GPT-2's alphabet, inverted
         hex_byte = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
         @functools.lru_cache(maxsize=1 << 16)
@@ -178,5 +167,4 @@ class Tokenizer:
                 return bytes([int(m.group(1), 16)])
             return piece.replace("\u2581", " ").encode("utf-8")
 
-        self._token_bytes = one
         return one

@@ -52,7 +52,19 @@ def refuse_lone_surrogates(data: Any) -> None:
             todo.extend((value, f"{path}.{i}") for i, value in enumerate(item))
 
 
-class BaseRequest(BaseModel):
+class NullsAreDefaults(BaseModel):
+    """A request body (or a part of one) in which an explicit null for a field is its default (a
+    required one stays missing), as OpenAI and vLLM read it: clients write unset options as null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class BaseRequest(NullsAreDefaults):
     """What completions and chat requests share: the sampling knobs, the refused and ignored fields."""
 
     model_config = ConfigDict(extra="ignore")
@@ -67,7 +79,6 @@ class BaseRequest(BaseModel):
             for name in data:
                 if name in refused and data[name] is not None and name not in cls.model_fields:
                     raise RefusedField(name, refused[name])
-            data = drop_nulls(cls, data)
         return data
 
     @model_validator(mode="wrap")
@@ -140,22 +151,9 @@ class BaseRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-def drop_nulls(model: type[BaseModel], data: Any) -> Any:
-    """An explicit null for a field of `model` is its default (a required one stays missing), as
-    OpenAI and vLLM read it: clients write unset options as null."""
-    if isinstance(data, dict):
-        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields}
-    return data
-
-
-class StreamOptions(BaseModel):
+class StreamOptions(NullsAreDefaults):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return drop_nulls(cls, data)
 
 
 class CompletionRequest(BaseRequest):

@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 from isolab.errors import InvalidRequestError
 from isolab.models.tokenizer import Tokenizer
 from isolab.server.errors import ApiError, api_error
-from isolab.server.protocol import ChatMessage, TokenId, drop_nulls, refuse_lone_surrogates
+from isolab.server.protocol import ChatMessage, NullsAreDefaults, TokenId, refuse_lone_surrogates
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(NullsAreDefaults):
     """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -31,11 +31,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: StrictBool = True  # prompt only
     add_generation_prompt: StrictBool = True  # messages only
     chat_template_kwargs: dict[str, Any] | None = None  # messages only
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return drop_nulls(cls, data)
 
     @model_validator(mode="before")
     @classmethod

@@ -6,15 +6,11 @@ from __future__ import annotations
 import math
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from isolab.probe.verdicts import Thresholds
-
-
-def isolab(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True, timeout=timeout)
+from isolab.testing.cli import isolab
 
 
 def _closed_url() -> str:

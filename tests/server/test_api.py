@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from isolab.server import ServerConfig
+from tests.server.logprob_text import token_bytes
 
 CANARY = "zebra-canary-7731"
 
@@ -126,20 +127,9 @@ def test_logprobs_carry_each_tokens_own_bytes(srv):
                              extra_body={"guided_choice": [want]})
     lp = r.choices[0].logprobs
     assert r.choices[0].text == want and "\ufffd" not in "".join(lp.tokens)
-    raws = [_unescape(t) for t in lp.tokens]
+    raws = [token_bytes(t) for t in lp.tokens]
     assert b"".join(raws) == want.encode()
     assert lp.text_offset == [len(b"".join(raws[:i]).decode("utf-8", errors="ignore")) for i in range(len(raws))]
-
-
-def _unescape(token: str) -> bytes:
-    """A logprobs token's bytes back from its text (\\xNN: one byte of a character cut by the token)."""
-    out, i = b"", 0
-    while i < len(token):
-        if token.startswith("\\x", i):
-            out, i = out + bytes([int(token[i + 2:i + 4], 16)]), i + 4
-        else:
-            out, i = out + token[i].encode(), i + 1
-    return out
 
 
 def test_chat_logprobs(srv):
@@ -371,6 +361,6 @@ def test_a_chunks_logprobs_never_run_ahead_of_its_text(srv):
             sent += choice.text
             if choice.logprobs:
                 entries += choice.logprobs.tokens
-            joined = b"".join(_unescape(t) for t in entries)
+            joined = b"".join(token_bytes(t) for t in entries)
             assert sent.encode().startswith(joined), (sent, entries)
-    assert sent == text and b"".join(_unescape(t) for t in entries) == text.encode()
+    assert sent == text and b"".join(token_bytes(t) for t in entries) == text.encode()

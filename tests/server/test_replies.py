@@ -18,6 +18,7 @@ from isolab.server.formats import ChatFormat, CompletionFormat, Limits
 from isolab.server.metrics import ServerMetrics
 from isolab.server.replies import streamed
 from isolab.server.settings import ServerConfig
+from tests.server.logprob_text import token_bytes
 
 
 def test_isolab_errors_map_to_openai_errors():
@@ -112,17 +113,7 @@ def test_logprobs_wait_for_a_character_a_token_only_begins(real_bundle):
         if piece is not None:
             sent += piece["text"]
             for e in (piece["logprobs"] or {}).get("tokens", []):
-                joined += _piece_bytes(e)
+                joined += token_bytes(e)
         assert sent.encode().startswith(joined), (sent, joined)
     assert sent == text and joined == text.encode()
 
-
-def _piece_bytes(token: str) -> bytes:
-    """A logprobs token's bytes back from its text (\\xNN: one byte of a character cut by the token)."""
-    out, i = b"", 0
-    while i < len(token):
-        if token.startswith("\\x", i):
-            out, i = out + bytes([int(token[i + 2:i + 4], 16)]), i + 4
-        else:
-            out, i = out + token[i].encode(), i + 1
-    return out

@@ -3,6 +3,7 @@ requests up to --drain-timeout, ends what is left (an error event and [DONE]), a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -75,16 +77,17 @@ class _Stream(threading.Thread):
             self.first.set()
 
 
-@pytest.mark.real
-@pytest.mark.slow
-def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(tmp_path):
+@contextlib.contextmanager
+def _served(tmp_path, drain_timeout: int) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`isolab serve` on the real model as a process, up (its /health answered), killed if a test
+    leaves it running; its log is tmp_path/server.log."""
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-test": "t1"}))
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "isolab.cli", "serve", "--api-keys", str(keys), "--port", str(port),
-         "--device", "cpu", "--kv-cache-memory", "128MiB", "--drain-timeout", "15"],
+         "--device", "cpu", "--kv-cache-memory", "128MiB", "--drain-timeout", str(drain_timeout)],
         env=_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -98,6 +101,18 @@ def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(t
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(tmp_path):
+    with _served(tmp_path, drain_timeout=15) as (proc, url):
         medium, endless = _Stream(url, "sk-test", 16), _Stream(url, "sk-test", 3000)
         medium.start()
         endless.start()
@@ -107,10 +122,6 @@ def test_sigterm_drains_running_requests_then_ends_the_rest_before_the_timeout(t
         assert proc.wait(120) == 0
         medium.join(30)
         endless.join(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     text = open(tmp_path / "server.log").read()
     # the medium request was still running at the signal, and it was finished, not cut
     assert "draining running requests" in text
@@ -133,45 +144,22 @@ def test_a_second_signal_ends_the_drain_now_without_cutting_a_stream(tmp_path):
     """SIGTERM, then Ctrl-C a second later (an impatient operator): the requests left end at once
     the clean way, an error event and [DONE] each, never a body cut mid-stream or a traceback, and
     the process exits 0 long before --drain-timeout."""
-    keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"sk-test": "t1"}))
-    port = free_port()
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "isolab.cli", "serve", "--api-keys", str(keys), "--port", str(port),
-         "--device", "cpu", "--kv-cache-memory", "128MiB", "--drain-timeout", "60"],
-        env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, open(tmp_path / "server.log").read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+    with _served(tmp_path, drain_timeout=60) as (proc, url):
         streams = [_Stream(url, "sk-test", 3000) for _ in range(3)]
-        for s in streams:
-            s.start()
-        assert all(s.first.wait(60) for s in streams)
+        for st in streams:
+            st.start()
+        assert all(st.first.wait(60) for st in streams)
         proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         assert time.monotonic() - signalled < 30  # not the 60 s drain
-        for s in streams:
-            s.join(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for st in streams:
+            st.join(30)
     text = open(tmp_path / "server.log").read()
     assert "ending the running requests now" in text and "Traceback" not in text, text[-3000:]
     assert "finish=shutdown" in text  # the log tells a drain's end from a client's abort
-    for s in streams:
-        assert s.done and s.error is None, (s.error, text[-2000:])
-        assert [e["error"]["message"] for e in s.events if "error" in e] == ["the server is shutting down"]
+    for st in streams:
+        assert st.done and st.error is None, (st.error, text[-2000:])
+        assert [e["error"]["message"] for e in st.events if "error" in e] == ["the server is shutting down"]
