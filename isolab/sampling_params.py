@@ -55,7 +55,7 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is computed (e.g. for prompt_logprobs) and nothing is generated
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus: keep the smallest set whose mass reaches top_p
     top_k: int = 0  # 0 = off
@@ -85,8 +85,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, not {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise bad("max_tokens", f"must be an integer >= 0, not {self.max_tokens!r}")
         if not isinstance(self.temperature, int | float) or not (0.0 <= float(self.temperature) <= 100.0):
             raise bad("temperature", f"must be a number in [0, 100], not {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not (0.0 <= float(self.top_p) <= 1.0):

@@ -212,10 +212,13 @@ class LLMEngine:
         finished = self.scheduler.update(out, result)
         for s in result.sampled:
             req = self.requests[s.request_id]
+            if req.params.max_tokens == 0:  # the prompt only: the token sampled after it was not kept
+                outputs.append(self._output(req, (), ()))
+                continue
             outputs.append(self._output(req, (s.token_id,), (s.logprob,) if s.logprob else ()))
+            self.num_generated_tokens += 1
         for req in finished:
             self._forget(req)
-        self.num_generated_tokens += len(result.sampled)
         return outputs
 
     def _audit(self, out: SchedulerOutput) -> tuple[SchedulerOutput, list[RequestOutput]]:

@@ -118,6 +118,9 @@ class CompletionFormat:
     def plan(self, body: CompletionRequest) -> Plan:
         if body.best_of is not None and body.best_of != body.n:
             raise ApiError(400, "best_of is not supported beyond best_of == n", param="best_of")
+        if body.max_tokens == 0 and not body.echo:  # (OpenAI's legacy scoring call: echo, logprobs, max_tokens 0)
+            raise ApiError(400, "max_tokens 0 generates nothing: it needs echo=true (the prompt, and its logprobs "
+                                "when asked)", param="max_tokens")
         prompts = self._prompts(body.prompt)
         max_tokens = self.limits.max_tokens(body.max_tokens, self.limits.config.default_completion_max_tokens, None)
         return Plan(prompts, max_tokens, body.logprobs, body.echo)
@@ -217,6 +220,9 @@ class ChatFormat:
             raise api_error(exc) from None
         self.limits.check_prompt(ids)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if requested == 0:
+            raise ApiError(400, "max_tokens must be at least 1 on chat completions",
+                           param="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
         return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 

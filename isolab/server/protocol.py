@@ -113,7 +113,7 @@ class BaseRequest(NullsAreDefaults):
         return self._ignored
 
     model: str | None = Field(None, description="the served model's id; omitted means that model")
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: completions with echo only (the prompt scored)
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 1.0  # 0: the most likely token only (OpenAI takes [0, 1])
     top_k: NonNegInt = Field(0, description="extension: 0 = off")

@@ -52,3 +52,12 @@ def test_a_prompt_logprobs_request_is_never_a_prefix_hit(tiny_bundle):
 def test_without_the_field_nothing_is_computed(tiny_bundle):
     out = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20).generate(PROMPT, SamplingParams(max_tokens=1))[0]
     assert out.prompt_logprobs is None
+
+
+def test_max_tokens_0_computes_the_prompt_and_generates_nothing(tiny_bundle):
+    llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_num_batched_tokens=7)
+    one = llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))[0]
+    outs = llm.generate([PROMPT, PROMPT[:9]], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    assert tuple(outs[0].token_ids) == () and outs[0].finish_reason == "length"
+    assert outs[0].prompt_logprobs == one.prompt_logprobs and outs[1].prompt_logprobs == one.prompt_logprobs[:9]
+    assert llm.engine.kv.num_held_blocks() == 0  # nothing held after

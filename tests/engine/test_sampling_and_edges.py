@@ -16,7 +16,7 @@ def llm(tiny_bundle):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2),
+    ("max_tokens", -1), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2),
     ("seed", -1), ("logprobs", 99), ("stop", ("",)),
 ])
 def test_invalid_params_name_the_field(field, value):

@@ -53,3 +53,31 @@ def test_streamed_echo_adds_up_to_the_same_reply(srv):
                 values += choice.logprobs.token_logprobs
     assert text == whole.choices[0].text
     assert tokens == whole.choices[0].logprobs.tokens and values == whole.choices[0].logprobs.token_logprobs
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(srv, tiny_bundle):
+    """OpenAI's legacy scoring call: echo, logprobs, max_tokens 0: the prompt and its logprobs, no token."""
+    c = srv.client()
+    ids = srv.engine.tokenizer.encode(PROMPT)
+    r = c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0, temperature=0, echo=True, logprobs=1)
+    ch = r.choices[0]
+    assert ch.text == srv.engine.tokenizer.decode(ids) and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert len(ch.logprobs.tokens) == len(ids) and ch.logprobs.token_logprobs[0] is None
+    ref = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20).generate(
+        ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    assert ch.logprobs.token_logprobs[1:] == [x.logprob for x in ref.prompt_logprobs[1:]]
+    streamed = "".join(x.choices[0].text for x in c.completions.create(
+        model=srv.model, prompt=PROMPT, max_tokens=0, echo=True, stream=True) if x.choices)
+    assert streamed == ch.text
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_max_tokens_0_without_echo_is_a_400(srv, kind):
+    import openai
+    c = srv.client()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        if kind == "completion":
+            c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0)
+        else:
+            c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
