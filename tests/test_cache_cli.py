@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from isolab.models.weight_cache import code_key
+from isolab.testing.cli import isolab as run_isolab
 
 
 def isolab(*args: str, env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **env})
+    return run_isolab(*args, timeout=timeout, env={**os.environ, **env})
 
 
 @pytest.fixture

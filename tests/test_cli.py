@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
+from isolab.testing.cli import isolab as run_isolab
 from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 
 
 def isolab(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return run_isolab(*args, timeout=timeout)
 
 
 def test_help_lists_commands():
@@ -30,7 +31,7 @@ def test_generate_streams_text(tiny_path):
 @pytest.mark.parametrize("args,needle", [
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
     (["generate", "   ", "--model", "TINY"], "prompt is empty"),
-    (["generate", "hi", "--model", "TINY", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--model", "TINY", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["generate", "hi", "--model", "TINY", "--max-tokens", "100000"], "context"),
     (["generate", "hi", "--model", "MAMBA"], "architecture 'mamba' is not supported"),
 ])

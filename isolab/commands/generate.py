@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise InvalidRequestError("the prompt is empty: give some text to continue", field="prompt")
+    if args.max_tokens < 1:  # (the engine takes 0 for a prompt's logprobs alone, which this command does not print)
+        raise InvalidRequestError(f"--max-tokens must be at least 1, not {args.max_tokens}", field="max_tokens")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop),

@@ -6,22 +6,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from isolab.testing.cli import isolab as run_isolab
+from isolab.testing.cli import one_sentence
 
 GOOD = {"step": 1, "event": "allocated", "block": 3, "request": "A", "scope": None, "generation": 0}
 
 
 def isolab(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "isolab.cli", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def one_sentence(out: subprocess.CompletedProcess, needle: str) -> None:
-    assert out.returncode == 2, out.stderr
-    assert "Traceback" not in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert out.stderr.startswith("isolab: error: ") and needle in out.stderr, out.stderr
+    return run_isolab(*args, timeout=timeout)
 
 
 def test_a_binary_file_is_one_sentence(tmp_path):
