@@ -40,6 +40,8 @@ def test_batch_invariance_holds_and_its_fault_is_caught(q4_bundle):
     assert not run_scenario(q4_bundle, WIDE).caught  # ten rows a step: each row's bits as alone
     faulty = run_scenario(q4_bundle, WIDE, frozenset(["batch-variant-gemm"]))
     assert faulty.caught and "differential" in faulty.caught_by
+    # and the start-up check (what /health and the doctor report) measures the split quantized GEMMs
+    assert "numerics" in faulty.caught_by, faulty.details
 
 
 @pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.fault != "batch-variant-gemm"], ids=lambda s: s.fault)
