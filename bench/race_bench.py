@@ -10,8 +10,12 @@ and the loopback service. Prints a table and writes bench/results/race.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from pathlib import Path
 
+from isolab.cli import guarded
+from isolab.commands.outputs import check_output_path
 from isolab.race.bench import frontrun_comparison, run_bench, run_explorer_bench
 
 if __name__ == "__main__":
@@ -25,9 +29,20 @@ if __name__ == "__main__":
                         help="the explorer beside frontrun (pip install frontrun into .venv; not a dependency)")
     args = parser.parse_args()
     results = Path(__file__).parent / "results"
-    if args.frontrun:
-        frontrun_comparison(args.json or results / "race_frontrun.json")
-    elif args.explorer_only:
-        run_explorer_bench(args.json or results / "race_explorer.json")
-    else:
-        run_bench(args.requests, args.repeat, args.threads, args.json or results / "race.json")
+    for name in ("requests", "repeat", "threads"):  # one sentence and exit 2, as `isolab race bench`
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    if args.frontrun and importlib.util.find_spec("frontrun") is None:
+        parser.error("--frontrun needs frontrun: .venv/bin/pip install frontrun (it is not a dependency)")
+
+    def run() -> int:
+        check_output_path(args.json, "--json")  # before the run, not after it
+        if args.frontrun:
+            frontrun_comparison(args.json or results / "race_frontrun.json")
+        elif args.explorer_only:
+            run_explorer_bench(args.json or results / "race_explorer.json")
+        else:
+            run_bench(args.requests, args.repeat, args.threads, args.json or results / "race.json")
+        return 0
+
+    sys.exit(guarded(run))

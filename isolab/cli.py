@@ -11,7 +11,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from isolab.errors import IsolabError
 
@@ -67,8 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return guarded(lambda: int(args.func(args) or 0))
+
+
+def guarded(run: Callable[[], int]) -> int:
+    """run() as a command: an IsolabError, or a file the system refused after the command's own checks
+    (a write into /proc, say), is one sentence and exit 2; a closed pipe and Ctrl-C end quietly."""
     try:
-        return int(args.func(args) or 0)
+        return run()
     except IsolabError as exc:
         if os.environ.get("ISOLAB_DEBUG"):
             raise
@@ -79,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        if os.environ.get("ISOLAB_DEBUG") or exc.filename is None:
+            raise
+        print(f"isolab: error: cannot use {str(exc.filename)!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("isolab: interrupted", file=sys.stderr)
         return 130

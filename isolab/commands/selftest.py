@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     from isolab.engine.selftest import SCENARIOS, run_scenario
     from isolab.faults import FAULTS
 
-    console = Console(stderr=False)
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 150)  # piped: the names whole
     numerics = bundle.model.numerics
     console.print(f"numerics: {numerics.summary()}")
     table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype})")

@@ -147,7 +147,10 @@ def diagnose(
         raise InvalidRequestError(f"every request failed even alone, e.g.: {first}", field="target")
     again = {it.item_id: target.alone(it) for it in items}
     alone_sym = find_symptoms(items, again, refs, exact=exact, tie_margin=tie_margin, checks=checks)
-    alone_sym += [s for s in find_symptoms(items, refs, refs, exact=exact, checks=checks) if s.kind != "differs"]
+    alone_sym += [s for s in find_symptoms(items, refs, refs, exact=exact, checks=checks, errors_alone_too=True)
+                  if s.kind != "differs"]
+    # a server's cache outlives each alone request: a hit from another scope's alone request is a symptom too
+    alone_sym += foreign_hits(getattr(target, "cross_scope_history", list)())
     alone = RunRecord("alone (fresh engine each)", "original", None, True, len(items), alone_sym, {})
 
     def together(its: Sequence[Item], rf: dict[str, Result], c: int, cache: bool, content: str, chk: Sequence[Check]) -> RunRecord:
@@ -173,6 +176,10 @@ def diagnose(
     reported = getattr(target, "numerics", lambda: None)()  # (path, invariant) where the target says
     numerics, invariant = reported if reported else (None, None)
     warnings = vacuity_warnings(sweep)
+    failed = [r.error for r in var_refs.values() if r.error is not None]
+    if failed:
+        warnings.append(f"{len(failed)} of {len(var_refs)} variant requests failed even alone (e.g. {failed[0][:120]}): "
+                        "question (b) rests on the others (their errors together are not symptoms)")
     if nocache and served_from_cache(nocache):
         warnings.append(f"the cache-off runs were served {served_from_cache(nocache)} cached tokens: the server "
                         "ignores the --no-cache-field given, so question (d) could not be asked")

@@ -120,17 +120,21 @@ def find_symptoms(
     exact: bool,
     tie_margin: float = 0.1,
     checks: Sequence[Check] = (),
+    errors_alone_too: bool = False,
 ) -> list[Symptom]:
-    """Symptoms of one run: `results` by item id against `refs` (the same items, each run alone)."""
+    """Symptoms of one run: `results` by item id against `refs` (the same items, each run alone).
+    An error its request also got alone (a request too large for the server, say) is no symptom of
+    running together, unless errors_alone_too (the alone run's own symptoms)."""
     out: list[Symptom] = []
     for it in items:
         res = results.get(it.item_id)
         if res is None:
             continue
-        if res.error is not None:
-            out.append(Symptom(it.item_id, "error", res.error))
-            continue
         ref = refs.get(it.item_id)
+        if res.error is not None:
+            if errors_alone_too or ref is None or ref.error != res.error:
+                out.append(Symptom(it.item_id, "error", res.error))
+            continue
         if ref is not None and ref.error is None and it.comparable:
             why = compare(ref, res, exact=exact, tie_margin=tie_margin)
             if why is not None:

@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--audit", action="store_true")
     ap.add_argument("--model", default=None, help="default: the tiny random model")
     args = ap.parse_args(argv)
+    from isolab.commands.outputs import check_output_path
+
+    check_output_path(args.out, "--out", plot=not args.out.endswith(".html"))  # before the run, not after it
+    check_output_path(args.trace, "--trace")
     if args.model is None:
         from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 
@@ -83,4 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from isolab.cli import guarded
+
+    raise SystemExit(guarded(main))

@@ -65,3 +65,63 @@ def test_a_token_outside_the_top_k_is_not_taken_for_a_near_tie():
     of them, so the margin is at least best - lowest, not best - second best."""
     ref = res(["a", "b"], top=[{"a": -0.1}, {"b": -0.70, "c": -0.72, "d": -4.0}])
     assert compare(ref, res(["a", "x"]), exact=False, tie_margin=0.1) is not None
+
+
+class ScriptedServer:
+    """A stand-in for a server whose cache outlives each request: `hits` says what each (item, content)
+    is served from the cache, `fails` which prompts the server refuses (alone and together alike)."""
+
+    name, exact, can_disable_cache = "scripted", True, False
+
+    def __init__(self, hits=None, fails=()):
+        self.hits, self.fails, self.history = hits or {}, set(fails), []
+
+    def prepare(self, items):
+        return list(items)
+
+    def variant(self, items, seed):
+        return word_variant(items, seed)
+
+    def _run(self, it):
+        if it.prompt in self.fails:
+            return Result(it.item_id, (), (), (), "", 0, "HTTP 400: the request needs 17 KV blocks")
+        return Result(it.item_id, (1, 2), (), (), "ok", self.hits.get((it.item_id, it.prompt), 0))
+
+    def alone(self, it):
+        r = self._run(it)
+        self.history.append((it, r))
+        return r
+
+    def together(self, items, concurrency, prefix_cache):
+        out = [(it, self._run(it)) for it in items]
+        self.history.extend(out)
+        return out, {}
+
+    def cross_scope_history(self):
+        return list(self.history)
+
+
+P = "the shared secret prompt of tenant a"
+
+
+def test_a_foreign_hit_in_the_alone_runs_is_a_symptom():
+    """Scope b's first request, alone, is served scope a's blocks: later runs cannot tell (b has sent P by
+    then), so the alone runs are where the hit shows."""
+    from isolab.doctor.experiments import diagnose
+
+    items = [Item("a0", P, scope="a"), Item("b0", P, scope="b")]
+    found = diagnose(ScriptedServer(hits={("b0", P): 6}), items, concurrencies=(1,))
+    assert any(s.kind == "foreign-hit" and s.item_id == "b0" for s in found.alone.symptoms), found.alone.symptoms
+
+
+def test_an_error_the_request_also_gets_alone_is_no_symptom_of_sharing():
+    from isolab.doctor.experiments import diagnose
+    from isolab.doctor.verdict import judge
+
+    items = [Item(f"r{i}", f"prompt number {i} of the workload", scope="a") for i in range(3)]
+    server = ScriptedServer()
+    variant = server.variant(items, 1)
+    server.fails = {variant[0].prompt}  # the variant's first request is too large for the server
+    found = diagnose(server, items, concurrencies=(1, 2))
+    assert not found.variant.symptoms and any("variant requests failed even alone" in w for w in found.warnings)
+    assert "shared state" not in judge(found).verdict

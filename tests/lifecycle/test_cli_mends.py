@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -65,3 +66,16 @@ def test_a_good_trace_still_draws(tmp_path, trace):
     out = isolab("lifecycle", str(trace), "--out", str(tmp_path / "x.html"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "x.html").exists()
+
+
+def test_a_write_the_system_refuses_after_the_checks_is_one_sentence(trace):
+    """/proc passes the up-front check for root (and fails it otherwise); either way, one sentence."""
+    one_sentence(isolab("lifecycle", str(trace), "--out", "/proc/isolab-x.html"), "/proc/isolab-x.html")
+
+
+@pytest.mark.parametrize("out,trace,needle", [("x.png", "missing/m.jsonl", "--trace"), ("x.txt", None, "--out"),
+                                              ("missing/x.png", None, "--out")])
+def test_the_demo_refuses_bad_outputs_before_its_run(tmp_path, out, trace, needle):
+    argv = ["--out", str(tmp_path / out)] + (["--trace", str(tmp_path / trace)] if trace else [])
+    res = subprocess.run([sys.executable, "-m", "isolab.lifecycle.demo", *argv], capture_output=True, text=True, timeout=60)
+    one_sentence(res, needle)

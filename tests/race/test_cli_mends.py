@@ -118,3 +118,26 @@ def test_outputs_in_missing_folders_are_still_made(tmp_path):
     assert main(["race", "stress", "--variant", "lock_local", "--threads", "2", "--requests", "40", "--repeat", "1",
                  "--json", str(out)]) == 0
     assert out.exists()
+
+
+def test_a_schedule_that_is_not_text_is_one_sentence(tmp_path, capsys):
+    bad = tmp_path / "f.schedule"
+    bad.write_bytes(b"garbage\x00\xff")
+    one_sentence(["race", "explore", "--replay", str(bad)], capsys, "not an isolab schedule file")
+
+
+def test_a_write_the_system_refuses_after_the_checks_is_one_sentence(capsys):
+    """/proc passes the up-front check for root: the write itself fails, still as one sentence."""
+    assert main(["race", "stress", "--threads", "2", "--requests", "100", "--repeat", "1", "--json",
+                 "/proc/isolab-x.json"]) == 2
+    err = capsys.readouterr().err  # the runs' progress lines, then the sentence
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("isolab: error: ") and "/proc/isolab-x.json" in err
+
+
+@pytest.mark.parametrize("argv,needle", [(["--threads", "0"], "--threads must be at least 1"),
+                                         (["--repeat", "0"], "--repeat must be at least 1"),
+                                         (["--json", "/nonexistent/x.json"], "--json")])
+def test_the_race_bench_script_refuses_bad_input_in_one_sentence(argv, needle):
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "bench" / "race_bench.py"), *argv],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr, out.stderr

@@ -140,6 +140,8 @@ def load(path: Path) -> Schedule:
         return parse(path.read_text())
     except OSError as exc:
         raise InvalidRequestError(f"cannot read schedule {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise InvalidRequestError(f"{path} is not an isolab schedule file (not UTF-8 text)") from None
 
 
 class StrictReplayChooser:
