@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -133,26 +134,30 @@ def load_jsonl(path: str | Path) -> list[Item]:
 
 
 def word_variant(items: Sequence[Item], seed: int) -> list[Item]:
-    """Each distinct word becomes another of the same length, everywhere (one bijection)."""
+    """Each distinct word becomes another of the same length, everywhere (one bijection), the
+    whitespace kept: the workload's words of one length are permuted among themselves (each to
+    another: real words, so a server's tokenizer cuts them about as it cut the originals); a length
+    only one word has gets made-up letters."""
     rng = random.Random(seed)
-    mapping: dict[str, str] = {}
-    used: set[str] = set()
-
-    def sub(word: str) -> str:
-        if word not in mapping:
-            while True:
-                new = "".join(rng.choice(string.ascii_lowercase) for _ in word)
-                if new not in used and new != word:
-                    break
-            mapping[word] = new
-            used.add(new)
-        return mapping[word]
-
-    out = []
+    prompts = []
     for it in items:
         assert isinstance(it.prompt, str)
-        out.append(replace(it, prompt=" ".join(sub(w) for w in it.prompt.split(" "))))
-    return out
+        prompts.append(re.split(r"(\s+)", it.prompt))  # words at even positions, whitespace at odd
+    words = list(dict.fromkeys(w for parts in prompts for w in parts[::2] if w))
+    by_len: dict[int, list[str]] = {}
+    for w in words:
+        by_len.setdefault(len(w), []).append(w)
+    mapping: dict[str, str] = {"": ""}
+    for n, group in by_len.items():
+        if len(group) > 1:  # a shuffled cycle: a bijection with no word left in place
+            rng.shuffle(group)
+            mapping.update(zip(group, group[1:] + group[:1], strict=True))
+        else:  # 26^n - 1 >= 25 other strings of this length, none of them a word of the workload
+            while (new := "".join(rng.choice(string.ascii_lowercase) for _ in range(n))) == group[0]:
+                pass
+            mapping[group[0]] = new
+    return [replace(it, prompt="".join(p if i % 2 else mapping[p] for i, p in enumerate(parts)))
+            for it, parts in zip(items, prompts, strict=True)]
 
 
 def token_variant(items: Sequence[Item], seed: int, lo: int, hi: int) -> list[Item]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
 
 from isolab.doctor.symptoms import Result, compare, find_symptoms, foreign_hits, parse_check
@@ -125,3 +127,16 @@ def test_an_error_the_request_also_gets_alone_is_no_symptom_of_sharing():
     found = diagnose(server, items, concurrencies=(1, 2))
     assert not found.variant.symptoms and any("variant requests failed even alone" in w for w in found.warnings)
     assert "shared state" not in judge(found).verdict
+
+
+def test_word_variant_ends_on_any_text_and_keeps_its_whitespace():
+    """Double spaces (an empty word) and more one-letter words than letters hung it before."""
+    items = [Item("a", " hello  world\n"), Item("b", " ".join(string.ascii_letters)), Item("c", "world hello")]
+    var = word_variant(items, 1)
+    for x, y in zip(items, var, strict=True):
+        assert len(x.prompt) == len(y.prompt) and x.prompt != y.prompt
+        assert [i for i, ch in enumerate(x.prompt) if ch.isspace()] == [i for i, ch in enumerate(y.prompt) if ch.isspace()]
+    words = [w for it in var for w in it.prompt.split()]
+    originals = [w for it in items for w in it.prompt.split()]
+    assert all(a != b for a, b in zip(words, originals, strict=True))  # every word is another
+    assert len(set(words)) == len(set(originals))  # one bijection
