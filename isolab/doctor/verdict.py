@@ -147,8 +147,11 @@ def answer_cache(f: Findings) -> Answer:
 
 def judge(f: Findings) -> Verdict:
     answers = (answer_concurrency(f), answer_input(f), answer_load(f), answer_cache(f))
-    shared = _ids(f.sweep) | symptomatic_ids(f.variant.symptoms) | _ids(f.nocache)
-    if f.alone.symptoms:
+    # a foreign hit seen one request at a time is cross-request state (a server's cache outlives each
+    # request): a sign of sharing, not of something else
+    foreign_alone = [s for s in f.alone.symptoms if s.kind == "foreign-hit"]
+    shared = _ids(f.sweep) | symptomatic_ids(f.variant.symptoms) | _ids(f.nocache) | symptomatic_ids(foreign_alone)
+    if len(foreign_alone) < len(f.alone.symptoms):
         v = SOMETHING_ELSE
     elif not shared:
         v = NO_SYMPTOM

@@ -128,6 +128,8 @@ def load_jsonl(path: str | Path) -> list[Item]:
             raise InvalidRequestError(
                 f"{path} line {n} is not a JSON object with a non-empty string \"prompt\"", field="workload"
             ) from None
+        if items[-1].max_tokens < 1:  # (a request of no tokens has nothing to compare)
+            raise InvalidRequestError(f"{path} line {n}: max_tokens must be at least 1", field="workload")
     if not items:
         raise InvalidRequestError(f"the workload {path} holds no prompts", field="workload")
     return items

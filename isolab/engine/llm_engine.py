@@ -6,7 +6,8 @@
              runner.execute(SchedulerOutput) -> ModelRunnerOutput   (forward + sampling)
              scheduler.update(SchedulerOutput, ModelRunnerOutput) -> finished requests
                  (commit K/V bookkeeping, num_computed_tokens, output tokens, stop checks)
-             -> one RequestOutput per sampled token
+             -> one RequestOutput per sampled token (a max_tokens 0 request: one, with no token, when its
+                prompt is computed; the token sampled after it is not kept)
 
 Builds the components from the config and hands each its faults (isolab.faults) once. Single-
 threaded by design: one caller drives step(). The server runs it in one thread.

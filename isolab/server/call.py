@@ -96,6 +96,7 @@ class Call:
     def consume(self, o: RequestOutput) -> tuple[Choice, ChunkChoice | None]:
         """Fold one output into its choice; returns (the choice, its chunk piece if any)."""
         c = self.by_request[o.request_id]
+        c.num_cached_tokens = o.num_cached_tokens  # (on every output: a max_tokens 0 request has no token)
         delta = ""
         lps: Sequence[TokenLogprob] = ()
         if o.new_token_ids:
@@ -103,7 +104,6 @@ class Call:
                 self.first_token_at = time.monotonic()
                 self.metrics.ttft.observe(self.first_token_at - self.arrival)
             c.num_tokens += len(o.new_token_ids)
-            c.num_cached_tokens = o.num_cached_tokens
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
             delta = c.text.push(o.new_token_ids)
             # the text its token completes: with a character still open (a pending that may hold whole

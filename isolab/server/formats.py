@@ -220,9 +220,6 @@ class ChatFormat:
             raise api_error(exc) from None
         self.limits.check_prompt(ids)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if requested == 0:
-            raise ApiError(400, "max_tokens must be at least 1 on chat completions",
-                           param="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
         return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 

@@ -113,7 +113,7 @@ class BaseRequest(NullsAreDefaults):
         return self._ignored
 
     model: str | None = Field(None, description="the served model's id; omitted means that model")
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: completions with echo only (the prompt scored)
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: completions with echo only (the prompt scored); chat: >= 1
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 1.0  # 0: the most likely token only (OpenAI takes [0, 1])
     top_k: NonNegInt = Field(0, description="extension: 0 = off")
@@ -211,6 +211,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(BaseRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # (0, completions' scoring call, is no chat call)
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None

@@ -112,8 +112,12 @@ def test_a_foreign_hit_in_the_alone_runs_is_a_symptom():
     from isolab.doctor.experiments import diagnose
 
     items = [Item("a0", P, scope="a"), Item("b0", P, scope="b")]
+    from isolab.doctor.verdict import SHARED_STATE, judge
+
     found = diagnose(ScriptedServer(hits={("b0", P): 6}), items, concurrencies=(1,))
     assert any(s.kind == "foreign-hit" and s.item_id == "b0" for s in found.alone.symptoms), found.alone.symptoms
+    verdict = judge(found)  # cross-request state, not "something else": and (a) says it needs no concurrency
+    assert verdict.verdict == SHARED_STATE and verdict.answers[0].answer == "no", verdict
 
 
 def test_an_error_the_request_also_gets_alone_is_no_symptom_of_sharing():
@@ -140,3 +144,12 @@ def test_word_variant_ends_on_any_text_and_keeps_its_whitespace():
     originals = [w for it in items for w in it.prompt.split()]
     assert all(a != b for a, b in zip(words, originals, strict=True))  # every word is another
     assert len(set(words)) == len(set(originals))  # one bijection
+
+
+def test_a_workload_request_of_no_tokens_is_refused(tmp_path):
+    from isolab.doctor.workload import load_jsonl
+
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": "hello", "max_tokens": 0}\n')
+    with pytest.raises(InvalidRequestError, match="line 1: max_tokens must be at least 1"):
+        load_jsonl(f)

@@ -5,6 +5,7 @@ dense fp32 reference are measured on the golden prompts."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,9 @@ def test_native_against_dense_fp32_on_the_golden_prompts(real_bundle, real_bundl
     out = {"positions": total, "top1_agreement": rate, "max_abs_logit_diff": worst,
            "mean_relative_l2": sum(rel) / len(rel), "native": real_bundle.model.numerics.numerics,
            "reference": real_bundle_fp32.model.numerics.numerics}
-    Path("bench/results").mkdir(parents=True, exist_ok=True)
-    Path("bench/results/native_numerics.json").write_text(json.dumps(out, indent=1))
+    if not (os.environ.get("ISOLAB_KERNEL_ISA") or os.environ.get("ONEDNN_MAX_CPU_ISA")):  # not a forced lower ISA's
+        Path("bench/results").mkdir(parents=True, exist_ok=True)
+        Path("bench/results/native_numerics.json").write_text(json.dumps(out, indent=1))
     assert rate >= 0.9, out  # measured 0.964 on 166 positions (Zen 5)
     assert out["mean_relative_l2"] < 0.08, out  # measured 0.048 (bf16 activations included)
     assert torch.isfinite(torch.tensor(worst))

@@ -72,11 +72,27 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(srv, tiny_bundle):
     assert streamed == ch.text
 
 
+def test_max_tokens_0_with_n_streams_logprobs_and_reports_cached_tokens(srv):
+    c = srv.client()
+    ids = srv.engine.tokenizer.encode(PROMPT * 8)  # over a block: a repeat is served from the prefix cache
+    c.completions.create(model=srv.model, prompt=ids, max_tokens=2, temperature=0)
+    r = c.completions.create(model=srv.model, prompt=ids, max_tokens=0, echo=True, n=2)  # no logprobs: cache used
+    assert [ch.text for ch in r.choices] == [srv.engine.tokenizer.decode(ids)] * 2
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens_details.cached_tokens > 0
+    chunks = list(c.completions.create(model=srv.model, prompt=ids, max_tokens=0, echo=True, n=2, logprobs=1,
+                                       stream=True, stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert [x.finish_reason for x in mine][-1] == "length"
+        assert sum(len(x.logprobs.tokens) for x in mine if x.logprobs) == len(ids)
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_max_tokens_0_without_echo_is_a_400(srv, kind):
     import openai
     c = srv.client()
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="needs echo=true" if kind == "completion" else "max_tokens"):
         if kind == "completion":
             c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0)
         else:
