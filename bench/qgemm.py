@@ -8,6 +8,11 @@ model's (native records against the same tensors dequantized to bf16), hot in ca
 --tiles-ab: the quantized GEMM alone at M = 8, 32 and 128, its tiles of 8 rows (the default on
 AVX-512 VNNI) against tiles of 4 (kernels.qgemm_tile_rows), calls alternating, median ms of each.
 
+--dense-stream: the dense bf16 GEMM (kernels/gemm.cpp) on every layer's weights (the model's,
+dequantized), one pass through the layers' four GEMMs in order, so each weight comes from memory as
+in a decode step, at M = 1, 32 and 128: best of 5 passes, ms and GB/s of weights read; beside it the
+same GEMMs hot in cache (each of the first layer's, repeated back to back) times the layers.
+
 --order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512: its default (big weights
 group by group, the next task's panels prefetched) against chunk by chunk with no prefetch
 (kernels.qgemm_order), calls alternating, median ms of each. Here each weight is hot in cache
@@ -45,8 +50,11 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--order-ab", action="store_true")
     ap.add_argument("--tiles-ab", action="store_true")
+    ap.add_argument("--dense-stream", action="store_true")
     args = ap.parse_args()
     m = load_bundle(args.model, "bf16", weights="native").model
+    if args.dense_stream:
+        return dense_stream(m, args.model, Path(args.json or "bench/results/dense_stream.json"))
     if args.order_ab:
         return order_ab(m, args.model, Path(args.json or "bench/results/qgemm_order.json"))
     if args.tiles_ab:
@@ -131,6 +139,39 @@ def order_ab(m, model: str | None, target: Path) -> int:
         kernels.qgemm_order(True)
     out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
            "qgemm_isa": kernels.qgemm_isa(), "rows": rows}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1))
+    print(f"wrote {target}")
+    return 0
+
+
+def dense_stream(m, model: str | None, target: Path) -> int:
+    layers = []
+    for layer in m.layers:
+        ws = [w for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down) if isinstance(w, QuantWeight)]
+        layers.append([(kernels.pack_weight(torch.from_numpy(w_dense(w)).to(torch.bfloat16)), w.n) for w in ws])
+    nbytes = sum(p.numel() * 2 for ws in layers for p, _ in ws)
+    rows = []
+    for mm in (1, 32, 128):
+        xs = {p.shape[1] * 2: torch.randn(mm, p.shape[1] * 2).to(torch.bfloat16) for ws in layers for p, _ in ws}
+
+        def one_pass(ws_list, xs=xs) -> float:
+            t = time.perf_counter()
+            for ws in ws_list:
+                for p, n in ws:
+                    kernels.gemm(xs[p.shape[1] * 2], p, n)
+            return time.perf_counter() - t
+
+        one_pass(layers)
+        streamed = min(one_pass(layers) for _ in range(5))
+        # the first layer's GEMMs, each repeated back to back (in cache after its first call), times the layers
+        hot = sum(min(one_pass([[w]] * 20) for _ in range(5)) / 20 for w in layers[0]) * len(layers)
+        rows.append({"m": mm, "streamed_ms": round(streamed * 1e3, 3), "gb_s": round(nbytes / streamed / 1e9, 2),
+                     "hot_ms": round(hot * 1e3, 3)})
+        print(f"M={mm:<4d} streamed {streamed * 1e3:7.2f} ms ({nbytes / streamed / 1e9:5.1f} GB/s of {nbytes / 1e6:.0f} MB)"
+              f"   hot {hot * 1e3:7.2f} ms", flush=True)
+    out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
+           "gemm_isa": kernels.gemm_isa(), "weight_mb": round(nbytes / 1e6, 1), "rows": rows}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")

@@ -213,7 +213,7 @@ class LLMEngine:
         finished = self.scheduler.update(out, result)
         for s in result.sampled:
             req = self.requests[s.request_id]
-            if req.params.max_tokens == 0:  # the prompt only: the token sampled after it was not kept
+            if not req.output_token_ids:  # the scheduler kept no token (max_tokens 0: the prompt only)
                 outputs.append(self._output(req, (), ()))
                 continue
             outputs.append(self._output(req, (s.token_id,), (s.logprob,) if s.logprob else ()))

@@ -124,7 +124,6 @@ class Scheduler:
         for req, s in zip(sampling, result.sampled, strict=True):
             assert req.request_id == s.request_id
             if req.params.max_tokens == 0:  # the prompt only (its logprobs): the sampled token is not kept
-                req.stop_reason = None
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 finished.append(req)
                 continue

@@ -153,3 +153,11 @@ def test_a_workload_request_of_no_tokens_is_refused(tmp_path):
     f.write_text('{"prompt": "hello", "max_tokens": 0}\n')
     with pytest.raises(InvalidRequestError, match="line 1: max_tokens must be at least 1"):
         load_jsonl(f)
+
+
+def test_word_variant_keeps_the_token_count_near_on_the_real_tokenizer(real_bundle):
+    """docs/doctor.md: the variant over HTTP costs about the original's tokens (1.05x on the built-in
+    workload with SmolLM2's tokenizer); made-up words of the same length took about twice as many."""
+    items = builtin_workload()
+    count = lambda its: sum(len(real_bundle.tokenizer.encode(it.prompt)) for it in its)  # noqa: E731
+    assert count(word_variant(items, 1)) / count(items) < 1.1
