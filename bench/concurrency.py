@@ -4,9 +4,9 @@ For each concurrency C: 2*C requests (prompts of 64-256 words, 128 new tokens, g
 through LLMEngine with at most C in flight (isolab/bench/engine_bench.py), with the engine
 defaults a user gets. The GEMM share of a step at C rows is bench/step_profile.py's.
 
-    .venv/bin/python bench/concurrency.py [--concurrency 1,8,32,128,256] [--dtype bf16]
+    .venv/bin/python bench/concurrency.py [--concurrency 1,8,32,128,256] [--dtype bf16] [--kv-cache-dtype int8]
 
-Writes bench/results/concurrency_DTYPE.json. Run it alone (2 cores).
+Writes bench/results/concurrency_DTYPE[_kvint8].json. Run it alone (2 cores).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8,32,128,256")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bundle = load_bundle(None, args.dtype)
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
-        engine = LLMEngine(build_engine_config(dtype=args.dtype), bundle)  # the defaults a user gets
+        # the defaults a user gets (the K/V pool's dtype as asked)
+        engine = LLMEngine(build_engine_config(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype), bundle)
         wl = make_workload(WorkloadSpec(num_requests=max(2 * c, 4), prompt_len=(64, 256), output_len=(128, 128),
                                         seed=c))
         r = run_engine_bench(engine, wl, c)
@@ -42,8 +44,9 @@ def main() -> int:
         print(f"C={c:4d}  {r['output_tokens_per_s']:7.1f} tok/s  ITL p50 {r['itl_s']['p50'] * 1e3:6.1f} ms  "
               f"p99 {r['itl_s']['p99'] * 1e3:6.1f} ms  TTFT p50 {r['ttft_s']['p50']:.2f} s  "
               f"preemptions {r['preemptions']}", flush=True)
-    out = Path(args.out or Path(__file__).parent / "results" / f"concurrency_{args.dtype}.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2))
+    kv = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
+    out = Path(args.out or Path(__file__).parent / "results" / f"concurrency_{args.dtype}{kv}.json")
+    out.write_text(json.dumps({"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -19,6 +19,9 @@ DEFAULT_KV_CACHE_MEMORY = 2048 * MiB
 DEFAULT_MAX_NUM_SEQS = 256
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     # 16 tokens per block: vLLM's default; small enough that prefix sharing is fine-grained,
@@ -32,10 +35,21 @@ class CacheConfig:
     # Sliding-window layers (Gemma 3's local ones) keep only the blocks their window still reads
     # (engine/kv_groups.py); off: every layer keeps every block. No effect on models without them.
     window_cache: bool = True
+    # What the pool stores K/V as: "auto" the activations' dtype (bf16 or fp32: a row's numbers are
+    # the reference's), or "int8": a byte a value and one fp32 scale a key and head (0.53x the bytes
+    # of bf16 in SmolLM2's shape, so twice the tokens in the same memory and less to read a step;
+    # a row's numbers then differ from the reference's by the rounding, measured in docs/engine.md).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise InvalidRequestError("block_size must be between 1 and 1024", field="block_size")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                      f"not {self.kv_cache_dtype!r}", field="kv_cache_dtype")
+        if self.kv_cache_dtype == "int8" and self.block_size % 16:
+            raise InvalidRequestError(f"kv_cache_dtype int8 stores keys in runs of 16: block_size must be a multiple "
+                                      f"of 16, not {self.block_size}", field="block_size")
         if self.kv_cache_memory <= 0:
             raise InvalidRequestError("kv_cache_memory must be a positive number of bytes", field="kv_cache_memory")
 
@@ -95,6 +109,7 @@ def build_engine_config(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     window_cache: bool = True,
+    kv_cache_dtype: str = "auto",
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int = 512,
     max_model_len: int | None = None,
@@ -105,7 +120,7 @@ def build_engine_config(
     """The one way the CLI, `LLM` and the server build an EngineConfig from flat options."""
     return EngineConfig(
         model=model, dtype=dtype, device=device, gemm=gemm, weights=weights,
-        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache),
+        cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache, kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         max_model_len=max_model_len, audit=audit, inject_faults=frozenset(inject_faults), trace_path=trace_path,
     )

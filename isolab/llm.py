@@ -48,6 +48,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         window_cache: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
@@ -59,7 +60,7 @@ class LLM:
         self.config = build_engine_config(
             model=model, dtype=dtype, device=device, gemm=gemm, weights=weights, kv_cache_memory=kv_cache_memory,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching, window_cache=window_cache,
-            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
             inject_faults=tuple(inject_faults), trace_path=trace_path,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, WEIGHTS, MiB
+from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, KV_CACHE_DTYPES, WEIGHTS, MiB
 from isolab.faults import FAULTS
 
 
@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens a K/V block holds (16; any multiple of 16 takes the native attention kernel's "
                         "fast paths, with the same bits; other sizes run its generic loop, several times slower "
                         "under load)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="what the KV pool stores: auto (--dtype: a row's numbers are the reference's) or int8 (a "
+                        "byte a value, a scale a key: twice the tokens in --kv-cache-memory, faster under load, "
+                        "numbers off the reference by the rounding; docs/engine.md)")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -64,6 +68,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_cache,
         window_cache=not args.no_window_cache,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -8,6 +8,11 @@ Head-major: each (head, block) is one contiguous run of block_size * Dh values, 
 for whichever attention reads it (models/attention.py:write_kv: the native kernel's dot products, or
 plain (block_size, Dh) for the torch path, which gathers whole runs with one index_select).
 
+With kv_cache_dtype "int8" a slot is one int8 tensor (Hkv, num_blocks, bs / 16, 2, 16 * (Dh + 4)):
+per KV head and 16-key run, the K run then the V run, int8 values and one fp32 scale a key
+(models/attention.py:i8_pool_shape), 0.53x the bytes of bf16 in SmolLM2's shape. A block is then
+`slot[:, block_id]`; poisoning fills its bytes with 0xFF, which makes every scale a NaN.
+
 Sized from a memory budget; knows nothing of owners. Implements BlockStorage for the pool.
 """
 
@@ -22,13 +27,17 @@ import torch
 
 from isolab.engine.kv_groups import KVGroup
 from isolab.errors import InvalidRequestError
+from isolab.models.attention import i8_pool_shape
 from isolab.models.gguf_loader import LlamaHParams
 
 
 def bytes_per_block(hp: LlamaHParams, block_size: int, dtype: torch.dtype, layers_per_block: int | None = None) -> int:
-    """A block's K/V bytes: `layers_per_block` layers (a KV group's size; None: every layer)."""
-    elem = torch.empty(0, dtype=dtype).element_size()
+    """A block's K/V bytes: `layers_per_block` layers (a KV group's size; None: every layer). dtype
+    int8: the 8-bit pool's (a value a byte, plus an fp32 scale a key and head)."""
     layers = hp.num_layers if layers_per_block is None else layers_per_block
+    if dtype == torch.int8:
+        return layers * math.prod(i8_pool_shape(hp.num_kv_heads, 1, block_size, hp.head_dim))
+    elem = torch.empty(0, dtype=dtype).element_size()
     return layers * 2 * block_size * hp.num_kv_heads * hp.head_dim * elem
 
 
@@ -47,8 +56,10 @@ class KVStorage:
         groups = groups or (KVGroup(tuple(range(hp.num_layers)), 0),)
         size = len(groups[0].layers)
         assert all(len(g.layers) == size for g in groups), "every group holds the same number of layers"
+        self.int8 = dtype == torch.int8  # the 8-bit pool: one tensor a slot, blocks along dim 1
         # per slot: [0] = K, [1] = V; (2, Hkv, num_blocks, block_size, Dh). Zeros: padding reads stay finite.
-        shape = (2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim)
+        shape = (i8_pool_shape(hp.num_kv_heads, num_blocks, block_size, hp.head_dim) if self.int8
+                 else (2, hp.num_kv_heads, num_blocks, block_size, hp.head_dim))
         self.slots = [_zeros(shape, dtype, device) for _ in range(size)]
         slot_of = {layer: k for g in groups for k, layer in enumerate(g.layers)}
         self.layers = [self.slots[slot_of[i]] for i in range(hp.num_layers)]
@@ -59,25 +70,35 @@ class KVStorage:
         if self._pointers is None:
             from isolab import kernels
 
-            self._pointers = (kernels.pointer_array([kv[0] for kv in self.layers]),
-                              kernels.pointer_array([kv[1] for kv in self.layers]))
+            if self.int8:  # the int8 pool is one tensor: K pointers only (kernels.forward_layers' kv_i8)
+                self._pointers = (kernels.pointer_array(self.layers), kernels.pointer_array(self.layers))
+            else:
+                self._pointers = (kernels.pointer_array([kv[0] for kv in self.layers]),
+                                  kernels.pointer_array([kv[1] for kv in self.layers]))
         return self._pointers
+
+    def _block(self, kv: torch.Tensor, block_id: int) -> torch.Tensor:
+        return kv[:, block_id] if self.int8 else kv[:, :, block_id]
 
     def clear(self, block_id: int) -> None:
         for kv in self.slots:
-            kv[:, :, block_id].zero_()
+            self._block(kv, block_id).zero_()
 
     def poison(self, block_id: int) -> None:
         for kv in self.slots:
-            kv[:, :, block_id].fill_(float("nan"))
+            # int8: every byte 0xFF, so every scale is a NaN (and every value -1)
+            self._block(kv, block_id).fill_(-1 if self.int8 else float("nan"))
 
     def checksum(self, block_id: int) -> bytes:
         digest = hashlib.blake2b(digest_size=16)
         for kv in self.slots:
-            digest.update(kv[:, :, block_id].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            digest.update(self._block(kv, block_id).contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return digest.digest()
 
     def has_nan(self, block_id: int) -> bool:
+        if self.int8:  # the scales: the last 4 * 16 bytes of each run
+            return any(bool(torch.isnan(kv[:, block_id, :, :, -64:].contiguous().view(torch.float32)).any())
+                       for kv in self.slots)
         return any(bool(torch.isnan(kv[:, :, block_id]).any()) for kv in self.slots)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from isolab import kernels
 from isolab.config import EngineConfig
 from isolab.engine.audit import Auditor
@@ -76,7 +78,13 @@ class LLMEngine:
                         "of %d tokens; this engine's attention takes its generic loop (about 3x slower steps at 128 "
                         "concurrent requests on an AMX Xeon)", cc.block_size, kernels.FAST_BLOCK_SIZE)
         self.kv_groups = kv_groups(hp, cc.window_cache)
-        per_block = bytes_per_block(hp, cc.block_size, self.model.dtype, len(self.kv_groups[0].layers))
+        kv_dtype = self.model.dtype
+        if cc.kv_cache_dtype == "int8":
+            if hp.head_dim % 16:
+                raise InvalidRequestError(f"kv_cache_dtype int8 reads heads of a multiple of 16 dimensions; this "
+                                          f"model's have {hp.head_dim}", field="kv_cache_dtype")
+            kv_dtype = torch.int8
+        per_block = bytes_per_block(hp, cc.block_size, kv_dtype, len(self.kv_groups[0].layers))
         num_blocks = cc.kv_cache_memory // per_block
         if num_blocks < 2:
             raise InvalidRequestError(
@@ -84,7 +92,7 @@ class LLMEngine:
                 field="kv_cache_memory",
             )
         self.events: EventSink = JsonlSink(config.trace_path) if config.trace_path else NullSink()
-        self.storage = KVStorage(hp, num_blocks, cc.block_size, self.model.dtype, self.model.device, self.kv_groups)
+        self.storage = KVStorage(hp, num_blocks, cc.block_size, kv_dtype, self.model.device, self.kv_groups)
         self.pool = BlockPool(
             num_blocks,
             storage=self.storage,
@@ -96,7 +104,7 @@ class LLMEngine:
             self.pool,
             cc.block_size,
             weights_fingerprint=self.bundle.fingerprint,
-            dtype=self.bundle.numerics_key,
+            dtype=self.bundle.cache_numerics_key(cc.kv_cache_dtype),
             enable_prefix_caching=cc.enable_prefix_caching,
             faults=faults,
             windows=tuple(g.window for g in self.kv_groups),

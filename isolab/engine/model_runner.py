@@ -32,7 +32,15 @@ from isolab.engine.request import Request, TokenLogprob
 from isolab.engine.sampler import make_generator, sample
 from isolab.engine.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from isolab.faults import Faults
-from isolab.models.attention import KEY_PAD, attention_core, causal_hidden, gather_kv, write_kv
+from isolab.models.attention import (
+    KEY_PAD,
+    attention_core,
+    causal_hidden,
+    gather_kv,
+    gather_kv_i8,
+    write_kv,
+    write_kv_i8,
+)
 from isolab.models.llama import FusedAttention, LlamaModel
 
 
@@ -76,10 +84,10 @@ class PagedAttention:
         if self.native is None:
             return None
         assert len(self.native) == 1, "the one-call forward runs models of one KV group"
-        n, kv = self.native[0], self.storage.layers[0]
-        k_pools, v_pools = self.storage.pool_pointers()
-        return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mappings[0], kv.shape[2],
-                              kv.shape[3], self.scale)
+        n, st = self.native[0], self.storage
+        k_pools, v_pools = st.pool_pointers()
+        return FusedAttention(k_pools, v_pools, n.tables, n.row_table, n.q_pos, self.slot_mappings[0], st.num_blocks,
+                              st.block_size, self.scale, st.int8)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
         kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them
@@ -89,10 +97,18 @@ class PagedAttention:
             n = self.native[group]
             return kernels.paged_attention(q, kv, n.tables, n.row_table, n.q_pos, self.scale,
                                            new_kv=(k, v, slot_mapping), window=window)
-        write_kv(kv, slot_mapping, k, v, native=False)
+        i8 = self.storage.int8
+        if i8:
+            write_kv_i8(kv, slot_mapping, k, v)
+        else:
+            write_kv(kv, slot_mapping, k, v, native=False)
         out = torch.empty_like(q)
         for g in self.groups[group]:
-            kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
+            if i8:  # the group's block ids: plane 0's rows of gather_rows (see _group)
+                blocks = g.gather_rows[: g.rows.shape[0] * g.num_blocks].view(g.rows.shape[0], g.num_blocks)
+                kb, vb = gather_kv_i8(kv, blocks, q.dtype)
+            else:
+                kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
             o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden, window)  # (B, T, H, Dh)
             out[g.rows.view(-1)] = o.view(-1, *o.shape[2:])
         return out

@@ -32,7 +32,7 @@ class Scenario:
     fault: str  # the fault it is built to expose
     what: str
     kv_blocks: int
-    build: Callable[[ModelBundle, random.Random], list[Arrival]]
+    build: Callable[[ModelBundle, random.Random, str], list[Arrival]]  # (bundle, rng, the pool's kv_cache_dtype)
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _tokens(rng: random.Random, bundle: ModelBundle, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(lo, bundle.hparams.vocab_size) for _ in range(n))
 
 
-def _reuse(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _reuse(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     # A's first block is cached; B2 evicts and rewrites it (unsealed) while A' asks for it again.
     a = _tokens(rng, b, 24)
     return [
@@ -70,14 +70,15 @@ def _reuse(b: ModelBundle, rng: random.Random) -> list[Arrival]:
     ]
 
 
-def _coarse(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _coarse(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     # Two different prompts of equal length, one after the other.
     return [Arrival(0, "X", _tokens(rng, b, 24), _greedy(6)), Arrival(8, "Y", _tokens(rng, b, 24), _greedy(6))]
 
 
-def _weak(b: ModelBundle, rng: random.Random) -> list[Arrival]:
-    # Y's first block differs from X's but its 8-bit key collides (found by search: 1 in 256).
-    extra = ExtraKeys(b.fingerprint, b.numerics_key, None)
+def _weak(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
+    # Y's first block differs from X's but its 8-bit key collides (found by search: 1 in 256), under
+    # the key the engine computes (its pool's dtype is part of it).
+    extra = ExtraKeys(b.fingerprint, b.cache_numerics_key(kv), None)
     x = _tokens(rng, b, 24)
     target = weak(block_key(None, x[:BS], extra))
     while True:
@@ -87,23 +88,23 @@ def _weak(b: ModelBundle, rng: random.Random) -> list[Arrival]:
     return [Arrival(0, "X", x, _greedy(6)), Arrival(8, "Y", y, _greedy(6))]
 
 
-def _scope(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _scope(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     p = _tokens(rng, b, 40)
     return [Arrival(0, "tenantA", p, _greedy(4), scope="A"), Arrival(6, "tenantB", p, _greedy(4), scope="B")]
 
 
-def _write_shared(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _write_shared(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     # Y extends X's prompt while X decodes: only X's sealed blocks may be shared, never its tail.
     p = _tokens(rng, b, 40)
     return [Arrival(0, "X", p, _greedy(12)), Arrival(1, "Y", p + _tokens(rng, b, 10), _greedy(4))]
 
 
-def _rng(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _rng(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     mk = lambda seed: SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True, logprobs=0)  # noqa: E731
     return [Arrival(0, "S1", _tokens(rng, b, 12), mk(1)), Arrival(0, "S2", _tokens(rng, b, 12), mk(2))]
 
 
-def _wide(b: ModelBundle, rng: random.Random) -> list[Arrival]:
+def _wide(b: ModelBundle, rng: random.Random, kv: str = "auto") -> list[Arrival]:
     # Ten requests decoding side by side: steps of 10 rows, where a batch-variant GEMM changes order.
     return [Arrival(0, f"R{i}", _tokens(rng, b, 5 + i), _greedy(6)) for i in range(10)]
 
@@ -120,30 +121,31 @@ SCENARIOS: tuple[Scenario, ...] = (
 assert {s.fault for s in SCENARIOS} == set(FAULTS)
 
 
-# (bundle, scenario, seed) -> the solo runs; the bundle is kept so that its id is not reused.
-_REFERENCES: dict[tuple[int, str, int], tuple[ModelBundle, dict[str, Finished]]] = {}
+# (bundle, scenario, seed, pool dtype) -> the solo runs; the bundle is kept so that its id is not reused.
+_REFERENCES: dict[tuple[int, str, int, str], tuple[ModelBundle, dict[str, Finished]]] = {}
 
 
-def reference(bundle: ModelBundle, sc: Scenario, seed: int = 0) -> dict[str, Finished]:
+def reference(bundle: ModelBundle, sc: Scenario, seed: int = 0, kv_cache_dtype: str = "auto") -> dict[str, Finished]:
     """Each of the scenario's requests alone, one after another, on a healthy engine without a prefix
-    cache. It depends on neither the faults nor audit mode of the run it checks, so it is computed
-    once per bundle, scenario and seed, and shared by the healthy, faulty and audit runs."""
-    key = (id(bundle), sc.name, seed)
+    cache (its pool of the same dtype). It depends on neither the faults nor audit mode of the run it
+    checks, so it is computed once per bundle, scenario, seed and pool dtype, and shared by the
+    healthy, faulty and audit runs."""
+    key = (id(bundle), sc.name, seed, kv_cache_dtype)
     hit = _REFERENCES.get(key)
     if hit is None or hit[0] is not bundle:
-        if len(_REFERENCES) >= 4 * len(SCENARIOS):
+        if len(_REFERENCES) >= 8 * len(SCENARIOS):
             _REFERENCES.clear()
-        ref = make_engine(bundle, 64, prefix=False)
-        hit = _REFERENCES[key] = (bundle, run_alone(ref, sc.build(bundle, random.Random(seed))))
+        ref = make_engine(bundle, 64, prefix=False, kv_cache_dtype=kv_cache_dtype)
+        hit = _REFERENCES[key] = (bundle, run_alone(ref, sc.build(bundle, random.Random(seed), kv_cache_dtype)))
         ref.close()
     return hit[1]
 
 
 def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = frozenset(), *, audit: bool = False,
-                 seed: int = 0) -> Report:
-    arrivals = sc.build(bundle, random.Random(seed))
+                 seed: int = 0, kv_cache_dtype: str = "auto") -> Report:
+    arrivals = sc.build(bundle, random.Random(seed), kv_cache_dtype)
     report = Report(sc.name, tuple(sorted(faults)), audit)
-    eng = make_engine(bundle, sc.kv_blocks, faults=faults, audit=audit)
+    eng = make_engine(bundle, sc.kv_blocks, faults=faults, audit=audit, kv_cache_dtype=kv_cache_dtype)
     run = drive(eng, arrivals, check_invariants=True)
     ok = {rid: f for rid, f in run.finished.items() if f.error is None}  # the others were aborted by audit
     tokens = {rid: f.pairs() for rid, f in ok.items()}  # tokens and their logprobs, bit for bit
@@ -161,7 +163,7 @@ def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = fro
             report.caught_by.append(kind)
         report.details.append(p)
     # Reference: each request alone on a clean engine without a prefix cache.
-    alone = reference(bundle, sc, seed)
+    alone = reference(bundle, sc, seed, kv_cache_dtype)
     for a in arrivals:
         if a.rid not in tokens:
             continue  # aborted by audit

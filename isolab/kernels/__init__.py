@@ -156,6 +156,8 @@ def _library() -> ctypes.CDLL | None:
     signatures = {
         "paged_attention": [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32,
                             f32, i32],
+        "paged_attention_i8": [ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32, i32, i64, i32, i32,
+                               f32, i32],
         "rms_norm": [ptr, ptr, ptr, i32, i32, f32],
         "rms_norm_gemma": [ptr, ptr, ptr, i32, i32, f32],
         "add_rms_norm": [ptr, ptr, ptr, ptr, i32, i32, f32],
@@ -177,7 +179,7 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, f"isolab_forward_{suffix}")
         fn.restype = None
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32, i32,
-                       i32, i64, i32, f32, f32, ptr, ptr, ptr, ptr, ptr]
+                       i32, i64, i32, f32, f32, ptr, ptr, ptr, ptr, ptr, i32]
     lib.isolab_forward_layer_size.restype = i64
     lib.isolab_forward_profile.restype = None
     lib.isolab_forward_profile.argtypes = [i32]
@@ -342,10 +344,16 @@ def paged_attention(
     """Write this step's K/V (if given) into the pool, then attend: one native call.
 
     q, k and v may be row views of one (N, W) buffer (the qkv GEMM's output): they must share the
-    row stride and have each head's Dh values contiguous."""
+    row stride and have each head's Dh values contiguous. An int8 pool (kv_cache_dtype "int8") is
+    (Hkv, num_blocks, bs / 16, 2, 16 * (Dh + 4)), models/attention.py:i8_pool_shape."""
     N, H, Dh = q.shape
-    _, hkv, nb, bs, _ = kv.shape
-    assert kv.is_contiguous() and q.dtype == kv.dtype and q.stride(2) == 1 and q.stride(1) == Dh
+    i8 = kv.dtype == torch.int8
+    if i8:
+        hkv, nb, runs, _, _ = kv.shape
+        bs = runs * 16
+    else:
+        _, hkv, nb, bs, _ = kv.shape
+    assert kv.is_contiguous() and (i8 or q.dtype == kv.dtype) and q.stride(2) == 1 and q.stride(1) == Dh
     assert tables.dtype == row_table.dtype == q_pos.dtype == torch.int32 and tables.is_contiguous()
     k_ptr = v_ptr = slots_ptr = None
     if new_kv is not None:
@@ -355,6 +363,11 @@ def paged_attention(
         assert slots.is_contiguous() and k.dtype == v.dtype == q.dtype
         k_ptr, v_ptr, slots_ptr = k.data_ptr(), v.data_ptr(), slots.data_ptr()
     out = torch.empty(N, H, Dh, dtype=q.dtype, device=q.device)
+    if i8:
+        _fn("paged_attention_i8", q.dtype)(q.data_ptr(), k_ptr, v_ptr, q.stride(0), slots_ptr, kv.data_ptr(),
+                                           tables.data_ptr(), tables.shape[1], row_table.data_ptr(), q_pos.data_ptr(),
+                                           out.data_ptr(), N, H, hkv, nb, bs, Dh, scale, window)
+        return out
     _fn("paged_attention", q.dtype)(q.data_ptr(), k_ptr, v_ptr, q.stride(0), slots_ptr, kv[0].data_ptr(),
                                     kv[1].data_ptr(), tables.data_ptr(), tables.shape[1], row_table.data_ptr(),
                                     q_pos.data_ptr(), out.data_ptr(), N, H, hkv, nb, bs, Dh, scale, window)
@@ -548,9 +561,11 @@ def pointer_array(tensors: list[torch.Tensor]):
 def forward_layers(x: torch.Tensor, h: torch.Tensor, layers, k_pools, v_pools, num_layers: int,
                    final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, tables: torch.Tensor, row_table: torch.Tensor, q_pos: torch.Tensor,
-                   heads: tuple[int, int, int], nb: int, bs: int, scale: float, eps: float, widths: tuple[int, int]) -> None:
+                   heads: tuple[int, int, int], nb: int, bs: int, scale: float, eps: float, widths: tuple[int, int],
+                   kv_i8: bool = False) -> None:
     """Every layer in one native call (forward.cpp): x (N, D) the residual stream, in place; h (N, D)
-    layer 0's normed input on entry, the final norm's output on return. widths: (Wqkv, I)."""
+    layer 0's normed input on entry, the final norm's output on return. widths: (Wqkv, I). kv_i8:
+    k_pools are the layers' int8 pools (v_pools unused)."""
     n, d = x.shape
     H, Hkv, Dh = heads
     wqkv, inter = widths
@@ -559,4 +574,4 @@ def forward_layers(x: torch.Tensor, h: torch.Tensor, layers, k_pools, v_pools, n
     _fn("forward", dt)(x.data_ptr(), h.data_ptr(), ctypes.byref(layers), k_pools, v_pools, num_layers,
                        final_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                        tables.data_ptr(), tables.shape[1], row_table.data_ptr(), q_pos.data_ptr(), n, d, H, Hkv, Dh,
-                       nb, bs, scale, eps, *[b.data_ptr() for b in bufs])
+                       nb, bs, scale, eps, *[b.data_ptr() for b in bufs], int(kv_i8))

@@ -27,6 +27,14 @@ void isolab_paged_attention_fp32(const float* q, const float* k_new, const float
                                  const int64_t* slots, float* k, float* v, const int32_t* tables, int table_len,
                                  const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H, int Hkv,
                                  long NB, int bs, int Dh, float scale, int window);
+void isolab_paged_attention_i8_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, long qs,
+                                    const int64_t* slots, int8_t* pool, const int32_t* tables, int table_len,
+                                    const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N, int H,
+                                    int Hkv, long NB, int bs, int Dh, float scale, int window);
+void isolab_paged_attention_i8_fp32(const float* q, const float* k_new, const float* v_new, long qs,
+                                    const int64_t* slots, int8_t* pool, const int32_t* tables, int table_len,
+                                    const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H,
+                                    int Hkv, long NB, int bs, int Dh, float scale, int window);
 }
 
 namespace {
@@ -58,15 +66,22 @@ inline void rope(uint16_t* q, const void* c, const void* s, const int64_t* p, in
 inline void rope(float* q, const void* c, const void* s, const int64_t* p, int N, int h, int st, int Dh) { isolab_rope_fp32(q, (const float*)c, (const float*)s, p, N, h, st, Dh); }
 inline void dense(const uint16_t* a, const Linear& l, uint16_t* o, int M) { isolab_gemm_bf16(a, l.k, (const uint16_t*)l.w, o, M, l.n, l.k); }
 inline void dense(const float* a, const Linear& l, float* o, int M) { isolab_gemm_fp32(a, l.k, (const float*)l.w, o, M, l.n, l.k); }
+// i8: the layer's pool is the int8 one (kp; vp unused)
 inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, long qs, const int64_t* slots, void* kp,
                    void* vp, const int32_t* t, int tl, const int32_t* rt, const int32_t* qp, uint16_t* o, int N, int H,
-                   int Hkv, long NB, int bs, int Dh, float sc) {
-    isolab_paged_attention_bf16(q, k, v, qs, slots, (uint16_t*)kp, (uint16_t*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
+                   int Hkv, long NB, int bs, int Dh, float sc, int i8) {
+    if (i8)
+        isolab_paged_attention_i8_bf16(q, k, v, qs, slots, (int8_t*)kp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
+    else
+        isolab_paged_attention_bf16(q, k, v, qs, slots, (uint16_t*)kp, (uint16_t*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
 }
 inline void attend(const float* q, const float* k, const float* v, long qs, const int64_t* slots, void* kp, void* vp,
                    const int32_t* t, int tl, const int32_t* rt, const int32_t* qp, float* o, int N, int H, int Hkv,
-                   long NB, int bs, int Dh, float sc) {
-    isolab_paged_attention_fp32(q, k, v, qs, slots, (float*)kp, (float*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
+                   long NB, int bs, int Dh, float sc, int i8) {
+    if (i8)
+        isolab_paged_attention_i8_fp32(q, k, v, qs, slots, (int8_t*)kp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
+    else
+        isolab_paged_attention_fp32(q, k, v, qs, slots, (float*)kp, (float*)vp, t, tl, rt, qp, o, N, H, Hkv, NB, bs, Dh, sc, 0);
 }
 
 // Per-op wall time across forward calls, for bench/step_profile.py (off by default: two clock reads
@@ -94,7 +109,8 @@ void linear(const T* a, const Linear& l, T* out, int M) {  // (M, k) @ W^T -> (M
         dense(a, l, out, M);
 }
 
-// k_pools, v_pools: each layer's K and V pool (Hkv, NB, bs, Dh), blocks as the attention kernel lays them out.
+// k_pools, v_pools: each layer's K and V pool (Hkv, NB, bs, Dh), blocks as the attention kernel lays them out;
+// kv_i8: k_pools are the layers' int8 pools (paged_attention.cpp, attend_all_i8), v_pools unused.
 // x: (N, D) the residual stream, in place; h: (N, D) rms_norm(x) with layer 0's attn_norm on entry,
 // the final norm's output on return. Buffers: qkv (N, Wqkv), att (N, H*Dh), tmp (N, D),
 // gu (N, 2I), act (N, I).
@@ -102,7 +118,7 @@ template <typename T>
 void forward(T* x, T* h, const Layer* layers, void* const* k_pools, void* const* v_pools, int L, const void* final_norm, const void* cos, const void* sin,
              const int64_t* positions, const int64_t* slots, const int32_t* tables, int table_len,
              const int32_t* row_table, const int32_t* q_pos, int N, int D, int H, int Hkv, int Dh, long NB, int bs,
-             float scale, float eps, T* qkv, T* att, T* tmp, T* gu, T* act) {
+             float scale, float eps, T* qkv, T* att, T* tmp, T* gu, T* act, int kv_i8) {
     const int W = (H + 2 * Hkv) * Dh;
     for (int i = 0; i < L; i++) {
         const Layer& ly = layers[i];
@@ -112,7 +128,7 @@ void forward(T* x, T* h, const Layer* layers, void* const* k_pools, void* const*
         rope(qkv, cos, sin, positions, N, H + Hkv, W, Dh);
         t.lap(ROPE);
         attend(qkv, qkv + H * Dh, qkv + (H + Hkv) * Dh, W, slots, k_pools[i], v_pools[i], tables, table_len, row_table,
-               q_pos, att, N, H, Hkv, NB, bs, Dh, scale);
+               q_pos, att, N, H, Hkv, NB, bs, Dh, scale, kv_i8);
         t.lap(ATTN);
         linear(att, ly.o, tmp, N);
         t.lap(O);
@@ -148,9 +164,9 @@ int isolab_forward_profile_read(double* out, int n) {
                                  const void* sin, const int64_t* positions, const int64_t* slots,                    \
                                  const int32_t* tables, int table_len, const int32_t* row_table,                     \
                                  const int32_t* q_pos, int N, int D, int H, int Hkv, int Dh, long NB, int bs,        \
-                                 float scale, float eps, T* qkv, T* att, T* tmp, T* gu, T* act) {                   \
+                                 float scale, float eps, T* qkv, T* att, T* tmp, T* gu, T* act, int kv_i8) {        \
         forward<T>(x, h, layers, k_pools, v_pools, L, final_norm, cos, sin, positions, slots, tables, table_len, row_table, q_pos, N,  \
-                   D, H, Hkv, Dh, NB, bs, scale, eps, qkv, att, tmp, gu, act);                                       \
+                   D, H, Hkv, Dh, NB, bs, scale, eps, qkv, att, tmp, gu, act, kv_i8);                                \
     }
 ISOLAB_FORWARD(bf16, uint16_t)
 ISOLAB_FORWARD(fp32, float)

@@ -26,6 +26,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "simd.h"
 
@@ -254,11 +257,12 @@ extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(leve
 // runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
 // flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds it
 // there). Blocks [first, nblk) of `table`, KV head h. Prefetches only: no effect on any result.
-template <int DH, int BS>
+// (E, RUN: the pool's element type and the bytes of a run; the int8 pool's runs hold their scales)
+template <int DH, int BS, typename E = uint16_t, int RUN = DH * BS * 2>
 struct TaskPrefetch {
-    static constexpr int RUN = DH * BS * 2, AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
-    const uint16_t* kplane;
-    const uint16_t* vplane;
+    static constexpr int AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
+    const E* kplane;
+    const E* vplane;
     const int32_t* table;
     long NB;
     int h, first, nblk;
@@ -268,8 +272,8 @@ struct TaskPrefetch {
     // call before it would inline it (a lambda too: the K prefetch of the kernels' first version
     // never reached the binary; no prefetcht0 in any build until this)
     template <int LOCALITY>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
-    __attribute__((always_inline)) void run(const uint16_t* plane, int i) const {
-        const char* p = (const char*)(plane + ((long)h * NB + table[i]) * DH * BS);
+    __attribute__((always_inline)) void run(const E* plane, int i) const {
+        const char* p = (const char*)(const void*)plane + ((long)h * NB + table[i]) * RUN;
         for (int l = 0; l < RUN; l += 64) __builtin_prefetch(p + l, 0, LOCALITY);
     }
     __attribute__((always_inline)) void k_if_scattered(int i) const {
@@ -860,6 +864,311 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
     }
 }
 
+// ---- an 8-bit K/V pool (opt-in, kv_cache_dtype "int8"): half the bytes a row's keys cost to read ----
+//
+// Every 16 keys of one KV head are one run of 16 * (Dh + 4) bytes: 16 * Dh int8 values in the
+// bf16 pool's order (K (Dh/2, 16, 2), V (8, Dh, 2): kidx and vidx), then the 16 keys' fp32
+// scales (models/attention.py:write_kv writes the same bytes in torch). A key's Dh values x share
+// one scale: s = max|x| / 127 (fp32), each value stored as round-half-even(x / s), read back as
+// s * q (s = 0: every q is 0). A NaN among the values makes the scale NaN, so an audit-mode NaN
+// still spreads; a poisoned run (every byte 0xFF) has NaN scales, so a read of a freed block shows.
+// Scores are q . k (an exact bf16 or fp32 copy of the int8 values) times (the key's scale * scale);
+// each probability is multiplied by its key's V scale before P.V. Paths: AMX tiles on a CPU with
+// them (as the bf16 pool's, over runs converted to bf16 in a scratch tile), else fp32 arithmetic
+// (GCC vectors, no fused multiply-add). A row's order of operations depends on its own keys alone.
+constexpr int I8_RUN = 16;
+
+// x (Dh values) -> q in kidx (is_k) or vidx order at key `off` of a run, its scale at scale[off]
+template <typename T>
+static inline void quantize_key_i8(const T* x, int Dh, bool is_k, int off, int8_t* run) {
+    float amax = 0.0f;
+    for (int d = 0; d < Dh; d++) {
+        const float a = std::fabs(load(x, d));
+        amax = (a > amax || a != a) ? a : amax;  // NaN wins
+    }
+    const float s = amax / 127.0f;
+    const uint16_t* tag = nullptr;  // selects the uint16 (pair) overloads of kidx / vidx
+    for (int d = 0; d < Dh; d++) {
+        float r = s > 0.0f ? std::nearbyint(load(x, d) / s) : 0.0f;  // s NaN or 0: 0 (the scale tells)
+        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        run[is_k ? kidx(tag, d, off, I8_RUN) : vidx(tag, off, d, Dh)] = (int8_t)r;
+    }
+    std::memcpy(run + (long)Dh * I8_RUN + off * 4, &s, 4);
+}
+
+// 32 int8 at p, one 32-bit lane per pair (p[2l], p[2l + 1]) -> lo (the first of each pair) and hi, in fp32
+static inline void load_pairs_i8(const int8_t* p, v16f& lo, v16f& hi) {
+    typedef int16_t v16s __attribute__((vector_size(32)));
+    v16s w;
+    std::memcpy(&w, p, 32);
+    const v16i x = __builtin_convertvector(w, v16i);  // sign-extended: the pair's second byte, signed, is x >> 8
+    lo = __builtin_convertvector((x << 24) >> 24, v16f);
+    hi = __builtin_convertvector(x >> 8, v16f);
+}
+
+// One (row, KV head) in fp32 arithmetic: G query heads, DH dimensions (a multiple of 16 up to 256;
+// DH_ = 0: dh_rt at run time); table: the row's 16-key runs. Scores over dimension pairs in order
+// (two chains: even, odd dimensions, summed at the end), P.V over the keys in order.
+template <typename T, int G, int DH_>
+static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane, const int32_t* table, int L,
+                          long NR, int h, float scale, T* out, float* sc, int Lpad, int dh_rt) {
+    const int DH = DH_ ? DH_ : dh_rt;
+    const long RB = (long)I8_RUN * (DH + 4);
+    const int nblk = (L + I8_RUN - 1) / I8_RUN;
+    const int start = window_start < L ? window_start : 0;  // keys before it weigh exactly 0: skipped
+    float qf[G][DH_ ? DH_ : 256];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
+    for (int i = start / I8_RUN; i < nblk; i++) {
+        const int8_t* kb = kplane + ((long)h * NR + table[i]) * RB;
+        v16f ev[G], od[G];
+        for (int g = 0; g < G; g++) ev[g] = od[g] = v16f{};
+        for (int p = 0; p < DH / 2; p++) {
+            v16f k0, k1;
+            load_pairs_i8(kb + p * 32, k0, k1);
+            for (int g = 0; g < G; g++) {
+                ev[g] += qf[g][2 * p] * k0;
+                od[g] += qf[g][2 * p + 1] * k1;
+            }
+        }
+        v16f ks;
+        std::memcpy(&ks, kb + DH * I8_RUN, 64);
+        ks = ks * scale;
+        for (int g = 0; g < G; g++) {
+            const v16f sv = (ev[g] + od[g]) * ks;
+            std::memcpy(sc + (long)g * Lpad + (long)i * I8_RUN, &sv, 64);
+        }
+    }
+    float inv[G];
+    for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(sc + (long)g * Lpad, L, Lpad);
+    // P.V in chunks of CH vectors of 16 dimensions: G * CH accumulators in registers
+    constexpr int C = G <= 3 ? 4 : G <= 6 ? 2 : 1;
+    constexpr int CH = DH_ && (DH_ / 16) % C == 0 ? C : 1;
+    for (int c0 = 0; c0 < DH / 16; c0 += CH) {
+        v16f o[G][CH];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) o[g][c] = v16f{};
+        for (int k = start & ~1; k < L; k += 2) {  // a pair of keys k, k + 1 (of which only keys in start..L-1 count)
+            const int8_t* vb = vplane + ((long)h * NR + table[k / I8_RUN]) * RB;
+            const int j = k % I8_RUN;
+            float vs[2];
+            std::memcpy(vs, vb + (long)DH * I8_RUN + j * 4, 8);
+            v16f v0[CH], v1[CH];
+            for (int c = 0; c < CH; c++) load_pairs_i8(vb + ((long)(j >> 1) * DH + (c0 + c) * 16) * 2, v0[c], v1[c]);
+            if (k >= start)
+                for (int g = 0; g < G; g++) {
+                    const float p = sc[(long)g * Lpad + k] * vs[0];
+                    for (int c = 0; c < CH; c++) o[g][c] += p * v0[c];
+                }
+            if (k + 1 < L)
+                for (int g = 0; g < G; g++) {
+                    const float p = sc[(long)g * Lpad + k + 1] * vs[1];
+                    for (int c = 0; c < CH; c++) o[g][c] += p * v1[c];
+                }
+        }
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < CH; c++) store16(out + (long)g * DH + (c0 + c) * 16, o[g][c] * inv[g]);
+    }
+}
+
+template <typename T, int DH>
+static void attend_i8_g(int G, const T* q, const int8_t* kp, const int8_t* vp, const int32_t* table, int L, long NR,
+                        int h, float scale, T* out, float* sc, int Lpad, int dh) {
+    switch (G) {
+        case 1: return attend_row_i8<T, 1, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 2: return attend_row_i8<T, 2, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 3: return attend_row_i8<T, 3, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 4: return attend_row_i8<T, 4, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 5: return attend_row_i8<T, 5, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 6: return attend_row_i8<T, 6, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        case 7: return attend_row_i8<T, 7, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+        default: return attend_row_i8<T, 8, DH>(q, kp, vp, table, L, NR, h, scale, out, sc, Lpad, dh);
+    }
+}
+
+#if ISOLAB_HAVE_AMX_ATTENTION
+// 1024 int8 of a run -> bf16 at dst in the same order, exactly (|q| <= 127: an fp32 copy's high half)
+static inline void run_to_bf16(const int8_t* src, uint16_t* dst) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int i = 0; i < 1024; i += 32) {
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(const void*)(src + i))));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(const void*)(src + i + 16))));
+        _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi16(_mm512_castps_si512(a), odd, _mm512_castps_si512(b)));
+    }
+}
+
+// attend_unit_amx over the int8 pool (Dh = 64): the same tiles and steps, each K and V run first
+// converted to bf16 (kt, vt: 16 x 64 scratch); scores times (the key's scale * scale), then each
+// probability times its key's V scale before it is rounded to bf16. Keys past a row's last get
+// probability 0 and their V values are finite integers: exact zeros, no copy needed.
+static void attend_unit_amx_i8(const uint16_t* q, long qs, const int8_t* kplane, const int8_t* vplane,
+                               const int32_t* table, const int32_t* q_pos, int n0, int R, int G, int H, long NR, int h,
+                               float scale, uint16_t* out, float* sc, int Lpad, uint16_t* qb, float* ob,
+                               uint16_t* kt, uint16_t* vt) {
+    constexpr int BS = 16, DH = 64;
+    constexpr long RB = (long)BS * (DH + 4);
+    const int T = R * G;
+    int Lmax = 0;
+    for (int r = 0; r < R; r++) Lmax = q_pos[n0 + r] + 1 > Lmax ? q_pos[n0 + r] + 1 : Lmax;
+    const int nblk = (Lmax + BS - 1) / BS;
+    for (int r = 0; r < R; r++)
+        std::memcpy(qb + (long)r * G * DH, q + (long)(n0 + r) * qs + (long)h * G * DH, sizeof(uint16_t) * G * DH);
+    const long sstride = (long)Lpad * sizeof(float);
+    _tile_loadd(6, qb, DH * 2);
+    _tile_loadd(7, qb + 32, DH * 2);
+    const TaskPrefetch<DH, BS, int8_t, (int)RB> pre{kplane, vplane, table, NR, h, 0, nblk,
+                                                    prefetch_level.load(std::memory_order_relaxed) != 0};
+    pre.begin();
+    for (int i = 0; i < nblk; i++) {
+        const int8_t* kb = kplane + ((long)h * NR + table[i]) * RB;
+        pre.at(i);
+        run_to_bf16(kb, kt);
+        _tile_zero(0);
+        _tile_loadd(1, kt, 64);
+        _tile_dpbf16ps(0, 6, 1);
+        _tile_loadd(1, kt + 16 * 32, 64);
+        _tile_dpbf16ps(0, 7, 1);
+        _tile_stored(0, sc + (long)i * BS, sstride);
+    }
+    float sum[16];
+    for (int t = 0; t < T; t++) {
+        float* s = sc + (long)t * Lpad;
+        const int L = q_pos[n0 + t / G] + 1, Lown = (L + BS - 1) / BS * BS;
+        for (int k = 0; k < Lown; k += 16) {
+            v16f ks;
+            std::memcpy(&ks, kplane + ((long)h * NR + table[k / BS]) * RB + DH * BS, 64);
+            store16(s + k, load16(s + k) * (ks * scale));
+        }
+        sum[t] = softmax_row(s, L, Lown);
+        uint16_t* pb = (uint16_t*)(void*)s;  // bf16 probabilities (times the V scales) over the front of the row
+        for (int k = 0; k < Lown; k += 16) {
+            v16f vs;
+            std::memcpy(&vs, vplane + ((long)h * NR + table[k / BS]) * RB + DH * BS, 64);
+            const v16u b = bf16_bits16(load16(s + k) * vs);
+            _mm256_storeu_si256((__m256i*)(void*)(pb + k), _mm512_cvtepi32_epi16((__m512i)b));
+        }
+        for (int k = L; k < nblk * BS; k++) pb[k] = 0;
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int i = 0; i < nblk; i++) {
+        run_to_bf16(vplane + ((long)h * NR + table[i]) * RB, vt);
+        _tile_loadd(4, (const uint16_t*)(const void*)sc + (long)i * BS, sstride);
+        _tile_loadd(5, vt, DH * 2 * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vt + 32, DH * 2 * 2);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vt + 64, DH * 2 * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vt + 96, DH * 2 * 2);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, ob, DH * 4);
+    _tile_stored(1, ob + 16, DH * 4);
+    _tile_stored(2, ob + 32, DH * 4);
+    _tile_stored(3, ob + 48, DH * 4);
+    for (int t = 0; t < T; t++) {
+        const int r = t / G, g = t % G;
+        uint16_t* o = out + ((long)(n0 + r) * H + (long)h * G + g) * DH;
+        const float inv = 1.0f / sum[t];
+        for (int d = 0; d < DH; d += 16) store16(o + d, load16(ob + (long)t * DH + d) * inv);
+    }
+}
+#endif
+
+// The int8 pool's attend_all: the same contract (write this step's K/V, then every row attends to
+// its keys 0..q_pos). bs: a multiple of 16 (block b's run j is 16-key run b * bs / 16 + j, so a
+// slot s is run s / 16, key s % 16). Dh: a multiple of 16 up to 256; G <= 8. bf16 rows with Dh = 64 and no
+// window take the tiles where the CPU has them (units of rows of one table, as attend_all's).
+// The pool: per KV head, per 16-key run, the K run then the V run (one 2 * 16 * (Dh + 4)-byte piece
+// a row reads in one stream: 0.85x the time of K and V in two planes, at 128 decode rows). The
+// kernels above take it as two planes of runs with stride 2: K runs at even run indices of `pool`,
+// V runs at even indices of `pool + RB`.
+template <typename T>
+static void attend_all_i8(const T* q, const T* k_new, const T* v_new, long qs, const int64_t* slots, int8_t* pool,
+                          const int32_t* tables, int table_len, const int32_t* row_table, const int32_t* q_pos, T* out,
+                          int N, int H, int Hkv, long NB, int bs, int Dh, float scale, int window) {
+    const int f = bs / I8_RUN, G = H / Hkv;
+    const long NR = 2 * NB * f, RB = (long)I8_RUN * (Dh + 4);  // NR: runs a head, counting K and V
+    int8_t* kplane = pool;
+    int8_t* vplane = pool + RB;
+    int R = 0;  // tables in use
+    for (int n = 0; n < N; n++) R = row_table[n] + 1 > R ? row_table[n] + 1 : R;
+    std::vector<int32_t> runs((size_t)R * table_len * f);  // each table in 16-key runs (even indices)
+    for (long i = 0; i < (long)R * table_len; i++)
+        for (int j = 0; j < f; j++) runs[i * f + j] = 2 * (tables[i] * f + j);
+    const int rl = table_len * f;
+    int max_len = 0;
+    for (int n = 0; n < N; n++) max_len = q_pos[n] + 1 > max_len ? q_pos[n] + 1 : max_len;
+    const int Lpad = (max_len + I8_RUN - 1) / I8_RUN * I8_RUN;
+    const bool amx = sizeof(T) == 2 && fast_paths && Dh == 64 && G <= 16 && window == 0 && amx_ready();
+    std::vector<int> units;  // AMX: (first row, rows) of each unit, consecutive rows of one table
+    if (amx)
+        for (int n = 0; n < N;) {
+            int r = 1;
+            while (n + r < N && r < 16 / G && row_table[n + r] == row_table[n]) r++;
+            units.push_back(n);
+            units.push_back(r);
+            n += r;
+        }
+#pragma omp parallel
+    {
+        if (slots != nullptr) {  // all rows written before any row reads (a prompt chunk reads its own keys)
+#pragma omp for schedule(static)
+            for (long n = 0; n < N; n++) {
+                const long run = 2 * (slots[n] / I8_RUN);
+                const int off = (int)(slots[n] % I8_RUN);
+                for (int h = 0; h < Hkv; h++) {
+                    quantize_key_i8(k_new + n * qs + (long)h * Dh, Dh, true, off, kplane + ((long)h * NR + run) * RB);
+                    quantize_key_i8(v_new + n * qs + (long)h * Dh, Dh, false, off, vplane + ((long)h * NR + run) * RB);
+                }
+            }
+        }
+        float* sc = (float*)std::aligned_alloc(64, sizeof(float) * (size_t)(amx ? 16 : G) * Lpad);
+        if (amx) {
+#if ISOLAB_HAVE_AMX_ATTENTION
+            if constexpr (sizeof(T) == 2) {
+                attention_amx_configure();  // tile configuration is per thread
+                alignas(64) uint16_t qb[16 * 64];
+                alignas(64) float ob[16 * 64];
+                alignas(64) uint16_t kt[16 * 64];
+                alignas(64) uint16_t vt[16 * 64];
+                std::memset(qb, 0, sizeof qb);
+                std::memset(sc, 0, sizeof(float) * 16 * (size_t)Lpad);
+                const long n_units = (long)units.size() / 2;
+#pragma omp for schedule(dynamic, 1)
+                for (long task = 0; task < n_units * Hkv; task++) {
+                    const long u = task / Hkv;
+                    const int h = (int)(task % Hkv), n0 = units[2 * u], r = units[2 * u + 1];
+                    attend_unit_amx_i8((const uint16_t*)q, qs, kplane, vplane, runs.data() + (long)row_table[n0] * rl,
+                                       q_pos, n0, r, G, H, NR, h, scale, (uint16_t*)out, sc, Lpad, qb, ob, kt, vt);
+                }
+                _tile_release();
+            }
+#endif
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (long task = 0; task < (long)N * Hkv; task++) {
+                const int n = (int)(task / Hkv), h = (int)(task % Hkv);
+                const int L = q_pos[n] + 1;
+                window_start = window > 0 && L > window ? L - window : 0;
+                const T* qr = q + n * qs + (long)h * G * Dh;
+                T* orow = out + ((long)n * H + (long)h * G) * Dh;
+                const int32_t* table = runs.data() + (long)row_table[n] * rl;
+                if (Dh == 64) attend_i8_g<T, 64>(G, qr, kplane, vplane, table, L, NR, h, scale, orow, sc, Lpad, Dh);
+                else if (Dh == 128) attend_i8_g<T, 128>(G, qr, kplane, vplane, table, L, NR, h, scale, orow, sc, Lpad, Dh);
+                else if (Dh == 256) attend_i8_g<T, 256>(G, qr, kplane, vplane, table, L, NR, h, scale, orow, sc, Lpad, Dh);
+                else attend_i8_g<T, 0>(G, qr, kplane, vplane, table, L, NR, h, scale, orow, sc, Lpad, Dh);
+            }
+            window_start = 0;
+        }
+        std::free(sc);
+    }
+}
+
 extern "C" {
 void isolab_attention_fast_paths(int on) { fast_paths = on; }
 // 1 (default): a prompt chunk's rows four at a time (attend_rows_bf16); 0: every row alone. No bit changes.
@@ -878,6 +1187,21 @@ void isolab_paged_attention_bf16(const uint16_t* q, const uint16_t* k_new, const
                                  int table_len, const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N,
                                  int H, int Hkv, long NB, int bs, int Dh, float scale, int window) {
     attend_all<uint16_t>(q, k_new, v_new, qs, slots, k, v, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
+                         bs, Dh, scale, window);
+}
+// The int8 pool (attend_all_i8): (Hkv, NB * bs / 16, 2, 16 * (Dh + 4)) bytes, K and V runs side by side.
+void isolab_paged_attention_i8_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, long qs,
+                                    const int64_t* slots, int8_t* pool, const int32_t* tables, int table_len,
+                                    const int32_t* row_table, const int32_t* q_pos, uint16_t* out, int N, int H,
+                                    int Hkv, long NB, int bs, int Dh, float scale, int window) {
+    attend_all_i8<uint16_t>(q, k_new, v_new, qs, slots, pool, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
+                            bs, Dh, scale, window);
+}
+void isolab_paged_attention_i8_fp32(const float* q, const float* k_new, const float* v_new, long qs,
+                                    const int64_t* slots, int8_t* pool, const int32_t* tables, int table_len,
+                                    const int32_t* row_table, const int32_t* q_pos, float* out, int N, int H,
+                                    int Hkv, long NB, int bs, int Dh, float scale, int window) {
+    attend_all_i8<float>(q, k_new, v_new, qs, slots, pool, tables, table_len, row_table, q_pos, out, N, H, Hkv, NB,
                          bs, Dh, scale, window);
 }
 void isolab_paged_attention_fp32(const float* q, const float* k_new, const float* v_new, long qs,

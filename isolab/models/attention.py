@@ -91,6 +91,66 @@ def write_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Te
         kv[1].view(hkv, nb * bs, dh).index_copy_(1, slots, v.transpose(0, 1))
 
 
+# ---- the 8-bit pool (kv_cache_dtype "int8"; paged_attention.cpp's attend_all_i8 reads it) ----
+# One layer's pool: (Hkv, num_blocks, bs / 16, 2, 16 * (Dh + 4)) int8: per KV head and 16-key run
+# of a block, the K run then the V run, each 16 * Dh int8 values in the bf16 pool's order (K
+# (Dh/2, 16, 2), V (8, Dh, 2)) followed by the 16 keys' fp32 scales.
+I8_RUN = 16
+
+
+def i8_pool_shape(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    return (num_kv_heads, num_blocks, block_size // I8_RUN, 2, I8_RUN * (head_dim + 4))
+
+
+def quantize_keys_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., Dh) -> int8 values (..., Dh) and fp32 scales (...): s = max|x| / 127, q = round-half-even(x / s),
+    the kernel's rule (quantize_key_i8): a NaN among x makes s NaN (q 0), s = 0 makes every q 0."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    amax = torch.where(xf.isnan().any(-1), torch.full_like(amax, float("nan")), amax)
+    s = amax / 127.0
+    ok = (s > 0).unsqueeze(-1)
+    q = torch.where(ok, torch.round(xf / torch.where(ok, s.unsqueeze(-1), torch.ones_like(s).unsqueeze(-1))), 0.0)
+    return q.clamp(-127, 127).to(torch.int8), s
+
+
+def _i8_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K values (Hkv, R, Dh/2, 16, 2), K scales (Hkv, R, 16), V values (Hkv, R, 8, Dh, 2), V scales of the
+    int8 pool's R = num_blocks * bs / 16 runs: views, written through."""
+    hkv, nb, f, _, rb = kv.shape
+    dh = rb // I8_RUN - 4
+    runs = kv.view(hkv, nb * f, 2, rb)
+    k, v = runs[:, :, 0], runs[:, :, 1]
+    return (k[..., :I8_RUN * dh].view(hkv, nb * f, dh // 2, I8_RUN, 2), k[..., I8_RUN * dh:].view(torch.float32),
+            v[..., :I8_RUN * dh].view(hkv, nb * f, I8_RUN // 2, dh, 2), v[..., I8_RUN * dh:].view(torch.float32))
+
+
+def write_kv_i8(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v (N, Hkv, Dh) at flat slots (N,) of one layer's int8 pool: the bytes the kernel writes."""
+    kq, ks = quantize_keys_i8(k)
+    vq, vs = quantize_keys_i8(v)
+    kvals, kscale, vvals, vscale = _i8_views(kv)
+    run, off = slots // I8_RUN, slots % I8_RUN
+    kvals[:, run, :, off, :] = kq.view(kq.shape[0], kq.shape[1], -1, 2)  # [n, h, d/2, d%2]
+    kscale[:, run, off] = ks.transpose(0, 1)
+    vvals[:, run, off // 2, :, off % 2] = vq  # [n, h, d]
+    vscale[:, run, off] = vs.transpose(0, 1)
+
+
+def gather_kv_i8(kv: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks (B, nb) of the int8 pool -> K, V (Hkv, B, nb * bs, Dh) dequantized (scale * q in fp32) to dtype."""
+    hkv, _, f, _, rb = kv.shape
+    dh = rb // I8_RUN - 4
+    b, nb = blocks.shape
+    runs = (blocks.view(-1, 1) * f + torch.arange(f, device=blocks.device)).view(-1)  # (B * nb * f,)
+    kvals, kscale, vvals, vscale = _i8_views(kv)
+    kq = kvals[:, runs].permute(0, 1, 3, 2, 4).reshape(hkv, -1, I8_RUN, dh)  # (Hkv, runs, 16, Dh)
+    vq = vvals[:, runs].permute(0, 1, 2, 4, 3).reshape(hkv, -1, I8_RUN, dh)
+    k = kq.float() * kscale[:, runs].unsqueeze(-1)
+    v = vq.float() * vscale[:, runs].unsqueeze(-1)
+    return k.to(dtype).reshape(hkv, b, nb * f * I8_RUN, dh), v.to(dtype).reshape(hkv, b, nb * f * I8_RUN, dh)
+
+
 def key_run(bs: int) -> int:
     """Keys a native K run holds: 16 where the block size is a multiple of 16, so that every such
     block size takes the attention kernel's fast paths with the bits of 16 (paged_attention.cpp);

@@ -38,6 +38,11 @@ class ModelBundle:
         """What besides the file shapes the K/V bits: the dtype and the weight format (prefix-cache keys)."""
         return f"{self.dtype}/{self.weights}"
 
+    def cache_numerics_key(self, kv_cache_dtype: str = "auto") -> str:
+        """What besides the file shapes a cached block's K/V (prefix-cache keys): numerics_key, and how
+        the pool stores K/V (an int8 pool's block holds other values than a bf16 pool's)."""
+        return self.numerics_key + ("/kv-int8" if kv_cache_dtype == "int8" else "")
+
 
 def pick_device(device: str | None) -> torch.device:
     """cpu, cuda or cuda:N (None: cuda when present); anything else, or a GPU this process does not

@@ -110,6 +110,7 @@ class FusedAttention:
     num_blocks: int
     block_size: int
     scale: float
+    kv_i8: bool = False  # k_pools are int8 pools (models/attention.py:i8_pool_shape); v_pools unused
 
 
 class DenseKV:
@@ -375,7 +376,7 @@ class LlamaModel:
             kernels.forward_layers(x, h, self._fused, fa.k_pools, fa.v_pools, len(self.layers), self.final_norm,
                                    self.rope_cos, self.rope_sin, positions.contiguous(), fa.slots, fa.tables,
                                    fa.row_table, fa.q_pos, (H, Hkv, Dh), fa.num_blocks, fa.block_size, fa.scale, eps,
-                                   ((H + 2 * Hkv) * Dh, hp.intermediate_size))
+                                   ((H + 2 * Hkv) * Dh, hp.intermediate_size), fa.kv_i8)
             return h
         for i, L in enumerate(self.layers):
             qkv = qwen.qkv_extras(self, L, L.wqkv(h), N, native=True)  # (N, (H + 2 Hkv) Dh)

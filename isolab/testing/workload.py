@@ -123,18 +123,22 @@ def run_alone(engine: LLMEngine, arrivals: Iterable[Arrival]) -> dict[str, Finis
 
 def make_engine(bundle: ModelBundle, kv_blocks: int, *, block_size: int = 16, prefix: bool = True, max_seqs: int = 16,
                 budget: int = 256, audit: bool = False, faults: frozenset[str] = frozenset(),
-                trace_path: str | None = None) -> LLMEngine:
+                trace_path: str | None = None, kv_cache_dtype: str = "auto") -> LLMEngine:
     """An engine on `bundle` whose pool has exactly `kv_blocks` usable blocks of `block_size` tokens
     (blocks of every layer: with Gemma 3's window cache the same memory is cut into smaller blocks
     of one KV group each, engine/kv_groups.py); `budget` is max_num_batched_tokens, `max_seqs`
-    max_num_seqs."""
+    max_num_seqs; kv_cache_dtype "int8": the 8-bit pool."""
+    import torch
+
     from isolab.config import CacheConfig, EngineConfig, SchedulerConfig
     from isolab.engine.kv_storage import kv_cache_memory_for
     from isolab.engine.llm_engine import LLMEngine
 
-    memory = kv_cache_memory_for(bundle.hparams, block_size, bundle.model.dtype, kv_blocks)
+    kv_dtype = torch.int8 if kv_cache_dtype == "int8" else bundle.model.dtype
+    memory = kv_cache_memory_for(bundle.hparams, block_size, kv_dtype, kv_blocks)
     cfg = EngineConfig(
-        model=str(bundle.path), dtype=bundle.dtype, cache=CacheConfig(block_size, memory, prefix),
+        model=str(bundle.path), dtype=bundle.dtype,
+        cache=CacheConfig(block_size, memory, prefix, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_seqs, budget), audit=audit, inject_faults=faults, trace_path=trace_path,
     )
     return LLMEngine(cfg, bundle)
