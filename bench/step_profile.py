@@ -38,12 +38,13 @@ from isolab.models.bundle import load_bundle  # noqa: E402
 from isolab.sampling_params import SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "prepare", "gemm", "attention", "row_ops", "sample", "update", "other")
+KV_CACHE_DTYPE = ["auto"]  # the engines' pool dtype (--kv-cache-dtype), set once by main
 
 
 def decoding_engine(bundle, dtype: str, n: int, prompt_words: tuple[int, int], max_tokens: int):
     """An engine with n requests admitted, prefilled and decoding (two warm steps): (engine, detokenizers)."""
     engine = LLMEngine(build_engine_config(dtype=dtype, weights=bundle.weights, max_num_seqs=max(n, 1), kv_cache_memory=4096 * MiB,
-                                           max_num_batched_tokens=2048), bundle)
+                                           max_num_batched_tokens=2048, kv_cache_dtype=KV_CACHE_DTYPE[0]), bundle)
     wl = make_workload(WorkloadSpec(num_requests=n, prompt_len=prompt_words, output_len=(128, 128), seed=n))
     detoks = {}
     for i, p in enumerate(wl.prompts):
@@ -143,8 +144,10 @@ def main() -> int:
     ap.add_argument("--paired-tiles-ab", type=int, default=0, metavar="STEPS",
                     help="instead of profiling: STEPS untimed steps with the quantized GEMM's tiles of 4 rows and of 8 "
                          "(the AVX-512 VNNI default), switched every step (writes step_profile_qgemm_tiles_paired.json)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    KV_CACHE_DTYPE[0] = args.kv_cache_dtype
     lo, _, hi = args.prompt_len.partition(":")
     bundle = load_bundle(None, args.dtype, weights=args.weights)
     levels = [int(x) for x in args.attention_prefetch.split(",")]
@@ -202,8 +205,10 @@ def main() -> int:
                         print(f"        untimed, inside the one-call forward: {inside}", flush=True)
     finally:
         kernels.attention_prefetch(2)
-    out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "steps": args.steps, "rows": rows}, indent=2))
+    kv = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
+    out = Path(args.out or Path(__file__).parent / "results" / f"step_profile_{args.dtype}_{bundle.weights}{kv}.json")
+    out.write_text(json.dumps({"dtype": args.dtype, "weights": bundle.weights, "kv_cache_dtype": args.kv_cache_dtype,
+                               "steps": args.steps, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -106,6 +106,8 @@ def test_bench_repeats_must_be_positive():
     (["generate", "hi", "--kv-cache-memory", "infk"], "is not a size"),
     (["generate", "hi", "--kv-cache-memory", "999999999999999"], "the KV pool cannot be mapped"),
     (["generate", "hi", "--trace", "/nonexistent/t.jsonl"], "does not exist"),
+    (["generate", "hi", "--kv-cache-dtype", "int8", "--block-size", "8"], "block_size must be a multiple of 16"),
+    (["generate", "hi", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_out_of_range_options_get_one_sentence(args, needle):
     """Refused before any model loads, in one sentence, with exit code 2 (never a hang or a traceback)."""

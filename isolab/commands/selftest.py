@@ -78,7 +78,8 @@ def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 150)  # piped: the names whole
     numerics = bundle.model.numerics
     console.print(f"numerics: {numerics.summary()}")
-    table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype})")
+    pool = "" if args.kv_cache_dtype == "auto" else f", K/V pool {args.kv_cache_dtype}"
+    table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype}{pool})")
     for col in ("fault", "scenario", "healthy engine", "fault on", "fault on + audit", "divergence (C11)"):
         table.add_column(col)
     results = []
@@ -86,10 +87,11 @@ def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     for sc in SCENARIOS:
         if args.fault and sc.fault not in args.fault:
             continue
-        healthy = run_scenario(bundle, sc)
-        healthy_audit = run_scenario(bundle, sc, audit=True)
-        faulty = run_scenario(bundle, sc, frozenset([sc.fault]))
-        faulty_audit = run_scenario(bundle, sc, frozenset([sc.fault]), audit=True)
+        kv = args.kv_cache_dtype  # every engine of the scenario (and its solo reference) on this pool
+        healthy = run_scenario(bundle, sc, kv_cache_dtype=kv)
+        healthy_audit = run_scenario(bundle, sc, audit=True, kv_cache_dtype=kv)
+        faulty = run_scenario(bundle, sc, frozenset([sc.fault]), kv_cache_dtype=kv)
+        faulty_audit = run_scenario(bundle, sc, frozenset([sc.fault]), audit=True, kv_cache_dtype=kv)
         passed = not healthy.caught and not healthy_audit.caught and faulty.caught and faulty_audit.caught
         ok &= passed
         div = ", ".join(f"{rid}: from token {f}, {w}/{t} wrong" for rid, f, w, t in faulty.divergence) or "-"
@@ -112,7 +114,8 @@ def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     console.print("every fault caught, healthy engine clean" if ok else "[red]SELFTEST FAILED")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": bundle.name, "dtype": args.dtype, "numerics": numerics.to_json(), "results": results,
+            json.dump({"model": bundle.name, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                       "numerics": numerics.to_json(), "results": results,
                        "passed": ok}, fh, indent=2)
     sys.stdout.flush()
     return 0 if ok else 1

@@ -30,17 +30,18 @@ def create_replicated_app(config: EngineConfig, plan: ScaleOut, tenants: TenantR
     server_config = server_config or ServerConfig()
     replicas, facts = deploy(config, plan, config.scheduler.max_num_seqs + server_config.max_queue)
     try:
-        app = create_app_over(replicas, model_facts(facts, plan.replicas), tenants, server_config)
+        app = create_app_over(replicas, model_facts(facts, plan.replicas, config.cache.kv_cache_dtype), tenants,
+                              server_config)
     except BaseException:
         replicas.shutdown()
         raise
     return app, replicas
 
 
-def model_facts(facts: ReplicaFacts, num_engines: int) -> ModelFacts:
+def model_facts(facts: ReplicaFacts, num_engines: int, kv_cache_dtype: str = "auto") -> ModelFacts:
     tokenizer = Tokenizer(Path(facts.path), facts.fingerprint, family_template(facts.arch))
     names = default_model_names(Path(facts.path), facts.name)
     return ModelFacts(tokenizer=tokenizer, default_names=names, max_model_len=facts.max_model_len,
                       max_num_seqs=facts.max_num_seqs, num_engines=num_engines,
                       grammars=GrammarCompiler(tokenizer, facts.vocab_size, facts.fingerprint),
-                      numerics=facts.numerics)
+                      numerics=facts.numerics, kv_cache_dtype=kv_cache_dtype)

@@ -54,7 +54,7 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_request_tokens,
                        max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
                        grammars=engine.grammars,  # built here, before the engine thread starts
-                       numerics=engine.model.numerics)
+                       numerics=engine.model.numerics, kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     return create_app_over(EngineLoop(engine), facts, tenants, config)
 
 
@@ -90,7 +90,8 @@ def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegis
     serving = Serving(backend, config, metrics, names, facts.tokenizer, facts.max_model_len, capacity, facts.grammars)
     return ServerState(config=config, tenants=tenants, engine_loop=backend, metrics=metrics, serving=serving,
                        tokenization=Tokenization(facts.tokenizer, names, facts.max_model_len, config.chat_template),
-                       model_name=names[0], model_names=names, capacity=capacity, numerics=facts.numerics)
+                       model_name=names[0], model_names=names, capacity=capacity, numerics=facts.numerics,
+                       kv_cache_dtype=facts.kv_cache_dtype)
 
 
 @asynccontextmanager
@@ -145,7 +146,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "engine stopped", **state.engine_loop.describe()}, status_code=503)
         numerics = state.numerics
         return JSONResponse({"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
-                             "weights": numerics.weights, "cpu": numerics.cpu, **state.engine_loop.describe()})
+                             "weights": numerics.weights, "kv_cache_dtype": state.kv_cache_dtype, "cpu": numerics.cpu,
+                             **state.engine_loop.describe()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

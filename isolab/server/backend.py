@@ -55,3 +55,4 @@ class ModelFacts:
     num_engines: int  # the admission bound is num_engines * (max_num_seqs + max_queue)
     grammars: GrammarCompiler  # compiled grammars are shared read-only (validation at the door)
     numerics: InvarianceReport  # measured once at start (models/invariance.py)
+    kv_cache_dtype: str = "auto"  # what the engines' K/V pools store (config.CacheConfig)

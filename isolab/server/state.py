@@ -35,6 +35,7 @@ class ServerState:
     model_names: tuple[str, ...]  # the id, then its aliases (--served-model-name NAME [ALIAS ...])
     capacity: int  # engine requests admitted at once: running slots + queue
     numerics: InvarianceReport  # measured once at start (models/invariance.py); read-only after
+    kv_cache_dtype: str = "auto"  # what the engines' K/V pools store
     started: float = field(default_factory=time.time)
     draining: bool = False
 

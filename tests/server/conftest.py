@@ -75,9 +75,9 @@ class LiveServer:
 
 def start_server(bundle: Any, *, server_config: ServerConfig | None = None, tenants: TenantRegistry | None = None,
                  kv_cache_memory: int = 64 * MiB, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 block_size: int = 16) -> LiveServer:
+                 block_size: int = 16, kv_cache_dtype: str = "auto") -> LiveServer:
     engine = LLMEngine(
-        EngineConfig(cache=CacheConfig(block_size, kv_cache_memory, True),
+        EngineConfig(cache=CacheConfig(block_size, kv_cache_memory, True, kv_cache_dtype=kv_cache_dtype),
                      scheduler=SchedulerConfig(max_num_seqs, 512), max_model_len=max_model_len, device="cpu"),
         bundle=bundle,
     )

@@ -167,11 +167,30 @@ def test_models_and_health(srv):
     health = httpx.get(srv.url + "/health").json()
     numerics = srv.engine.model.numerics  # the start-up invariance check, as /health and /metrics report it
     assert health == {"status": "ok", "numerics": numerics.numerics, "batch_invariant": numerics.invariant,
-                      "weights": numerics.weights, "cpu": numerics.cpu}
+                      "weights": numerics.weights, "kv_cache_dtype": "auto", "cpu": numerics.cpu}
     assert health["batch_invariant"] is True  # isolab's own GEMM and kernels: invariant on every CPU
     metrics = httpx.get(srv.url + "/metrics").text
     assert "isolab_batch_invariant 1.0" in metrics
     assert f'isolab_numerics_info{{attention="{numerics.attention}"' in metrics
+
+
+@pytest.mark.real
+def test_the_real_model_served_on_the_int8_pool(server_factory, real_bundle):
+    """`--kv-cache-dtype int8` end to end: /health names the pool, the official client gets a chat
+    reply and a streamed one with the same text (greedy), and tenants' blocks stay apart on it."""
+    srv = server_factory(real_bundle, kv_cache_dtype="int8")
+    assert httpx.get(srv.url + "/health").json()["kv_cache_dtype"] == "int8"
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    kw = dict(model=srv.model, messages=msgs, max_tokens=24, temperature=0)
+    whole = srv.client().chat.completions.create(**kw)
+    text = whole.choices[0].message.content
+    assert text and whole.usage.completion_tokens > 0
+    streamed = "".join(c.choices[0].delta.content or "" for c in srv.client().chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == text
+    other = srv.client("sk-bob").chat.completions.create(**kw)  # another tenant: the same text, nothing cached
+    assert other.choices[0].message.content == text
+    assert (other.usage.prompt_tokens_details.cached_tokens or 0) == 0
 
 
 def _assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
