@@ -91,7 +91,7 @@ class EngineTarget:
     def numerics(self) -> tuple[str, bool]:
         """The engine's numerics path and its start-up invariance verdict (models/invariance.py)."""
         eng = self.new_engine(True, 1 << 20)
-        report = eng.model.numerics
+        report = eng.numerics
         eng.close()
         return report.numerics, report.invariant
 

@@ -36,6 +36,7 @@ from isolab.engine.sampler import make_generator
 from isolab.engine.scheduler import Scheduler
 from isolab.engine.step import SchedulerOutput
 from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError
+from isolab.models import invariance
 from isolab.models.bundle import ModelBundle, load_bundle
 from isolab.sampling_params import SamplingParams
 
@@ -93,6 +94,10 @@ class LLMEngine:
             )
         self.events: EventSink = JsonlSink(config.trace_path) if config.trace_path else NullSink()
         self.storage = KVStorage(hp, num_blocks, cc.block_size, kv_dtype, self.model.device, self.kv_groups)
+        # the start-up check's verdict for this engine: the model's, with the int8 pool's attention
+        # checked too when the pool is 8-bit (/health, the doctor and selftest read this)
+        self.numerics = invariance.with_kv_pool(self.model.numerics, cc.kv_cache_dtype, self.model.device,
+                                                (hp.num_heads, hp.num_kv_heads, hp.head_dim), self.model.native_kernels)
         self.pool = BlockPool(
             num_blocks,
             storage=self.storage,

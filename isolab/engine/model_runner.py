@@ -90,7 +90,7 @@ class PagedAttention:
                               st.block_size, self.scale, st.int8)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
-        kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh), blocks as write_kv lays them
+        kv = self.storage.layers[layer]  # (2, Hkv, num_blocks, bs, Dh) as write_kv lays blocks; int8: i8_pool_shape
         group = self.group_of_layer[layer]
         slot_mapping = self.slot_mappings[group]
         if self.native is not None:

@@ -155,8 +155,8 @@ def run_scenario(bundle: ModelBundle, sc: Scenario, faults: frozenset[str] = fro
         step, msg = run.invariant_breach
         found.append((step, 1, f"invariants: step {step}: {msg}"))
     problems = [p for _, _, p in sorted(found, key=lambda f: f[:2])]  # in the order they happened
-    if not eng.model.numerics.invariant:
-        problems.append(f"numerics: {eng.model.numerics.summary()}")
+    if not eng.numerics.invariant:
+        problems.append(f"numerics: {eng.numerics.summary()}")
     for p in problems:
         kind = p.split(":", 1)[0]
         if kind not in report.caught_by:

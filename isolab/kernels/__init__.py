@@ -349,8 +349,9 @@ def paged_attention(
     N, H, Dh = q.shape
     i8 = kv.dtype == torch.int8
     if i8:
-        hkv, nb, runs, _, _ = kv.shape
+        hkv, nb, runs, _, run_bytes = kv.shape
         bs = runs * 16
+        assert Dh % 16 == 0 and run_bytes == 16 * (Dh + 4), "an int8 pool of this head size (i8_pool_shape)"
     else:
         _, hkv, nb, bs, _ = kv.shape
     assert kv.is_contiguous() and (i8 or q.dtype == kv.dtype) and q.stride(2) == 1 and q.stride(1) == Dh

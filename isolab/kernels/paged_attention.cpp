@@ -868,9 +868,9 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
 //
 // Every 16 keys of one KV head are one run of 16 * (Dh + 4) bytes: 16 * Dh int8 values in the
 // bf16 pool's order (K (Dh/2, 16, 2), V (8, Dh, 2): kidx and vidx), then the 16 keys' fp32
-// scales (models/attention.py:write_kv writes the same bytes in torch). A key's Dh values x share
+// scales (models/attention.py:write_kv_i8 writes the same bytes in torch). A key's Dh values x share
 // one scale: s = max|x| / 127 (fp32), each value stored as round-half-even(x / s), read back as
-// s * q (s = 0: every q is 0). A NaN among the values makes the scale NaN, so an audit-mode NaN
+// s * q (s = 0: every q is 0). A NaN or infinity among the values makes the scale NaN, so an audit-mode NaN
 // still spreads; a poisoned run (every byte 0xFF) has NaN scales, so a read of a freed block shows.
 // Scores are q . k (an exact bf16 or fp32 copy of the int8 values) times (the key's scale * scale);
 // each probability is multiplied by its key's V scale before P.V. Paths: AMX tiles on a CPU with
@@ -878,20 +878,33 @@ static void attend_all(const T* q, const T* k_new, const T* v_new, long qs, cons
 // (GCC vectors, no fused multiply-add). A row's order of operations depends on its own keys alone.
 constexpr int I8_RUN = 16;
 
-// x (Dh values) -> q in kidx (is_k) or vidx order at key `off` of a run, its scale at scale[off]
+// x (Dh values, a multiple of 16) -> q in kidx (is_k) or vidx order at key `off` of a run, its scale
+// at the run's scale[off]. 16 lanes at a time: the max is order-free, x / s is one IEEE division, and
+// adding then subtracting 1.5 * 2^23 rounds |x / s| <= 127.5 half-to-even, as torch.round does.
 template <typename T>
 static inline void quantize_key_i8(const T* x, int Dh, bool is_k, int off, int8_t* run) {
-    float amax = 0.0f;
-    for (int d = 0; d < Dh; d++) {
-        const float a = std::fabs(load(x, d));
-        amax = (a > amax || a != a) ? a : amax;  // NaN wins
+    v16f m = v16f{};
+    for (int d = 0; d < Dh; d += 16) {
+        v16f a = load16(x + d);
+        a = a < 0.0f ? -a : a;
+        m = (a > m || a != a) ? a : m;  // NaN wins
     }
-    const float s = amax / 127.0f;
+    float amax = 0.0f;
+    for (int l = 0; l < 16; l++) amax = (m[l] > amax || m[l] != m[l]) ? m[l] : amax;
+    float s = amax / 127.0f;
+    if (!(s <= 3.4028235e38f)) s = NAN;  // a NaN or an infinity among x: the one quiet NaN torch writes too
     const uint16_t* tag = nullptr;  // selects the uint16 (pair) overloads of kidx / vidx
-    for (int d = 0; d < Dh; d++) {
-        float r = s > 0.0f ? std::nearbyint(load(x, d) / s) : 0.0f;  // s NaN or 0: 0 (the scale tells)
-        r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-        run[is_k ? kidx(tag, d, off, I8_RUN) : vidx(tag, off, d, Dh)] = (int8_t)r;
+    for (int d = 0; d < Dh; d += 16) {
+        v16f r = v16f{};
+        if (s > 0.0f) {  // s NaN or 0: every q is 0 (the scale tells)
+            r = load16(x + d) / s;
+            r = (r + 12582912.0f) - 12582912.0f;
+            r = r > 127.0f ? v16f{} + 127.0f : r;
+            r = r < -127.0f ? v16f{} - 127.0f : r;
+        }
+        const v16i qi = __builtin_convertvector(r, v16i);
+        for (int l = 0; l < 16; l++)
+            run[is_k ? kidx(tag, d + l, off, I8_RUN) : vidx(tag, off, d + l, Dh)] = (int8_t)qi[l];
     }
     std::memcpy(run + (long)Dh * I8_RUN + off * 4, &s, 4);
 }

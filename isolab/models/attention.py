@@ -104,11 +104,11 @@ def i8_pool_shape(num_kv_heads: int, num_blocks: int, block_size: int, head_dim:
 
 def quantize_keys_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., Dh) -> int8 values (..., Dh) and fp32 scales (...): s = max|x| / 127, q = round-half-even(x / s),
-    the kernel's rule (quantize_key_i8): a NaN among x makes s NaN (q 0), s = 0 makes every q 0."""
+    the kernel's rule (quantize_key_i8): a NaN or infinity among x makes s the quiet NaN (every q 0),
+    s = 0 makes every q 0."""
     xf = x.float()
-    amax = xf.abs().amax(-1)
-    amax = torch.where(xf.isnan().any(-1), torch.full_like(amax, float("nan")), amax)
-    s = amax / 127.0
+    s = xf.abs().amax(-1) / 127.0
+    s = torch.where(torch.isfinite(s) & ~xf.isnan().any(-1), s, torch.full_like(s, float("nan")))
     ok = (s > 0).unsqueeze(-1)
     q = torch.where(ok, torch.round(xf / torch.where(ok, s.unsqueeze(-1), torch.ones_like(s).unsqueeze(-1))), 0.0)
     return q.clamp(-127, 127).to(torch.int8), s

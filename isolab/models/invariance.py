@@ -16,6 +16,7 @@ device, dtype, path and shapes. So the check costs seconds once per machine and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -28,7 +29,7 @@ import torch
 
 from isolab import kernels
 from isolab.kernels import quant
-from isolab.models.attention import attention_core, write_kv
+from isolab.models.attention import attention_core, gather_kv_i8, i8_pool_shape, write_kv, write_kv_i8
 from isolab.models.linear import GEMM_PATHS, GemmPath, QuantWeight, Weight, path_applies
 from isolab.paths import user_cache
 
@@ -58,6 +59,7 @@ class InvarianceReport:
     rejected: tuple[str, ...] = ()  # paths tried before this one and why they were refused
     env: dict[str, str] = field(default_factory=dict)  # ONEDNN_MAX_CPU_ISA / ISOLAB_KERNEL_ISA if set
     attention_isa: str | None = None  # bf16 native attention's code path (kernels.attention_isa)
+    kv_pool: str = "auto"  # "int8": the engine's pool is 8-bit, its attention checked too (with_kv_pool)
     # weights kept in GGUF blocks (kernels/qgemm.cpp): their GEMMs' mismatches are in gemm_mismatches
     # under "u4/fp16 960x576" keys; qgemm_isa: its integer path, "torch" for the reference
     quant_shapes: tuple[str, ...] = ()
@@ -81,7 +83,7 @@ class InvarianceReport:
             q = f"q-gemm/{self.qgemm_isa} ({', '.join(sorted({s.split()[0] for s in self.quant_shapes}))})"
             g = f"{q} + {g}" if self.dense_gemms else q
         a = self.attention + (f"/{self.attention_isa}" if self.attention_isa else "")
-        return f"{g} + {a} attention"
+        return f"{g} + {a} attention" + (f" over an {self.kv_pool} K/V pool" if self.kv_pool != "auto" else "")
 
     def summary(self) -> str:
         verdict = "batch-invariant" if self.invariant else "NOT batch-invariant"
@@ -144,20 +146,40 @@ def gemm_mismatches(fn, n: int, k: int, dtype: torch.dtype, device: torch.device
 
 
 def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, hkv: int, dh: int,
-                         native: bool, bs: int = 16) -> dict[str, int]:
+                         native: bool, bs: int = 16, kv_pool: str = "auto") -> dict[str, int]:
     """Attention on the same queries and keys grouped three ways: 32 decode rows at once vs each
     alone, keys covered exactly vs padded to whole blocks, and a 70-query prompt in one chunk vs
     cut into chunks of 1, 2, 3, 5, 9, 17, 32 and 33 queries, each over its own table's width (what
     preemption, token budgets and prefix hits rely on). `native`: isolab's kernel reading a
-    paged pool; else attention_core over gathered keys (the torch path)."""
+    paged pool; else attention_core over gathered keys (the torch path). kv_pool "int8": over the
+    8-bit pool (the torch path: over its dequantized keys)."""
     g = torch.Generator().manual_seed(0)
     b, s = 32, 10 * bs
     q = torch.randn(b, 1, heads, dh, generator=g).to(device=device, dtype=dtype)
     k = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
     pos = torch.randint(s // 4, s - 10, (b, 1), generator=g).to(device)
+    if kv_pool == "int8" and not native:  # the torch path attends over the pool's dequantized values
+        blocks = torch.arange(b * (s // bs), device=device).view(b, -1) + 1
+        pool8 = torch.zeros(i8_pool_shape(hkv, b * (s // bs) + 1, bs, dh), dtype=torch.int8, device=device)
+        write_kv_i8(pool8, torch.arange(bs, (b * (s // bs) + 1) * bs, device=device),
+                    k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
+        k, v = gather_kv_i8(pool8, blocks, dtype)
 
-    if native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
+    if native and kv_pool == "int8":  # the same keys in the 8-bit pool, the same tables
+        nb = s // bs
+        pool = torch.zeros(i8_pool_shape(hkv, b * nb + 1, bs, dh), dtype=torch.int8, device=device)
+        write_kv_i8(pool, torch.arange(bs, (b * nb + 1) * bs, device=device),
+                    k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
+        tables = (torch.arange(b * nb, dtype=torch.int32, device=device) + 1).view(b, nb)
+
+        def attend(qs, rows, p, width):
+            t = tables[rows][:, : -(-width // bs)].contiguous()
+            row_table = torch.arange(len(rows), dtype=torch.int32, device=device).repeat_interleave(qs.shape[1])
+            out = kernels.paged_attention(qs.reshape(-1, heads, dh), pool, t, row_table,
+                                          p.reshape(-1).to(torch.int32), dh**-0.5)
+            return out.view(qs.shape)
+    elif native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
         nb = s // bs
         pool = torch.zeros(2, hkv, b * nb + 1, bs, dh, dtype=dtype, device=device)
         slots = torch.arange(bs, (b * nb + 1) * bs, device=device)
@@ -199,6 +221,28 @@ def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, h
             split += int((attend(qq[:, j:e], [0], tpos[:, j:e], -(-e // bs) * bs) != chunk[:, j:e]).sum())
     found = {"batch_vs_solo": batch} if native else {}
     return {**found, "padded_vs_exact": padded, "chunk_vs_split": split}
+
+
+def with_kv_pool(report: InvarianceReport, kv_pool: str, device: torch.device, heads: tuple[int, int, int],
+                 native: bool) -> InvarianceReport:
+    """The report of an engine whose K/V pool is `kv_pool`: for "int8", attention over the 8-bit pool
+    checked the same three ways (once a process for each shape: 1.6 s for SmolLM2's on the AMX
+    Xeon) and folded into the verdict; "auto": the report as it is."""
+    if kv_pool == "auto":
+        return report
+    found = _pool_mismatches(kv_pool, report.dtype, str(device), heads, native)
+    report = dataclasses.replace(
+        report, kv_pool=kv_pool, invariant=report.invariant and not any(found.values()),
+        attention_mismatches={**report.attention_mismatches, **{f"{kv_pool} pool {k}": n for k, n in found.items()}})
+    if any(found.values()):
+        _log(report)
+    return report
+
+
+@functools.lru_cache(maxsize=16)
+def _pool_mismatches(kv_pool: str, dtype: str, device: str, heads: tuple[int, int, int], native: bool) -> dict[str, int]:
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    return attention_mismatches(tdtype, torch.device(device), *heads, native, kv_pool=kv_pool)
 
 
 def _key(parts: dict) -> str:

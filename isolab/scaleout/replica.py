@@ -55,7 +55,7 @@ class EngineReplica:
         return ReplicaFacts(path=str(e.bundle.path), name=e.bundle.name, fingerprint=e.bundle.fingerprint,
                             arch=e.bundle.hparams.arch, vocab_size=e.bundle.hparams.vocab_size,
                             max_model_len=e.max_request_tokens, max_num_seqs=e.config.scheduler.max_num_seqs,
-                            numerics=e.model.numerics)
+                            numerics=e.numerics)
 
     def stats(self) -> dict[str, float | str]:
         return {**self.loop.stats, "pid": os.getpid(), "incarnation": self.incarnation}

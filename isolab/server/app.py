@@ -54,7 +54,7 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_request_tokens,
                        max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
                        grammars=engine.grammars,  # built here, before the engine thread starts
-                       numerics=engine.model.numerics, kv_cache_dtype=engine.config.cache.kv_cache_dtype)
+                       numerics=engine.numerics, kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     return create_app_over(EngineLoop(engine), facts, tenants, config)
 
 

@@ -27,10 +27,24 @@ from isolab.testing.workload import Arrival, drive, make_engine, run_alone
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
+@pytest.mark.parametrize("audit", [False, True])
 @pytest.mark.parametrize("sc", SCENARIOS, ids=lambda s: s.fault)
-def test_every_fault_is_caught_and_a_healthy_engine_is_silent(tiny_bundle, sc):
-    assert not run_scenario(tiny_bundle, sc, kv_cache_dtype="int8").caught
-    assert run_scenario(tiny_bundle, sc, frozenset([sc.fault]), kv_cache_dtype="int8").caught
+def test_every_fault_is_caught_and_a_healthy_engine_is_silent(tiny_bundle, sc, audit):
+    assert not run_scenario(tiny_bundle, sc, audit=audit, kv_cache_dtype="int8").caught
+    assert run_scenario(tiny_bundle, sc, frozenset([sc.fault]), audit=audit, kv_cache_dtype="int8").caught
+
+
+def test_the_start_up_check_covers_the_int8_pool(tiny_bundle):
+    """The engine's verdict (/health, the doctor, selftest) includes attention over its 8-bit pool."""
+    eng = make_engine(tiny_bundle, 16, kv_cache_dtype="int8")
+    assert eng.numerics.kv_pool == "int8" and "over an int8 K/V pool" in eng.numerics.numerics
+    checked = {k: n for k, n in eng.numerics.attention_mismatches.items() if k.startswith("int8 pool")}
+    assert set(checked) == {"int8 pool batch_vs_solo", "int8 pool padded_vs_exact", "int8 pool chunk_vs_split"}
+    assert eng.numerics.invariant == (tiny_bundle.model.numerics.invariant and not any(checked.values()))
+    eng.close()
+    plain = make_engine(tiny_bundle, 16)
+    assert plain.numerics is tiny_bundle.model.numerics
+    plain.close()
 
 
 def test_the_pool_holds_about_twice_the_blocks(tiny_bundle):
@@ -76,9 +90,10 @@ def test_a_rows_tokens_and_logprobs_are_its_own_in_any_batch(tiny_bundle):
         assert batched[a.rid].pairs() == alone[a.rid].pairs(), a.rid
 
 
-def test_the_torch_path_stores_the_bytes_the_kernel_does(tiny_bundle):
-    """The engine without native kernels (e.g. CUDA) writes the same int8 pool and attends over it
-    with torch: tokens agree with the kernel's engine here (logprobs to rounding)."""
+def test_the_torch_path_serves_the_int8_pool(tiny_bundle):
+    """The engine without native kernels (e.g. CUDA) writes its int8 pool with torch (the bytes the
+    kernel writes: tests/kernels/test_kv_int8.py) and attends over the dequantized values: tokens
+    agree with the kernel's engine here, logprobs to rounding."""
     from isolab.models.gguf_loader import load_gguf
     from isolab.models.llama import LlamaModel
 

@@ -87,11 +87,34 @@ def test_the_kernel_writes_the_bytes_the_torch_writer_does(dname, heads, hkv, dh
 
 
 def test_quantization_rule():
-    x = torch.tensor([[0.0, 1.0, -2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, float("nan"), 0.0, 0.0]])
+    x = torch.tensor([[0.0, 1.0, -2.0, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, float("nan"), 0.0, 0.0],
+                      [127.0, 62.5, -62.5, 0.5], [1.0, float("inf"), 0.0, 0.0]])
     q, s = quantize_keys_i8(x)
-    assert s[0].item() == pytest.approx(2 / 127) and q[0].tolist() == [0, 64, -127, 32]  # 63.5 -> 64 (half-even: 64)
+    assert s[0].item() == pytest.approx(2 / 127) and q[0].tolist() == [0, 64, -127, 32]
     assert s[1].item() == 0 and q[1].tolist() == [0, 0, 0, 0]
     assert torch.isnan(s[2]) and q[2].tolist() == [0, 0, 0, 0]  # the NaN is kept where a read sees it: the scale
+    assert s[3].item() == 1.0 and q[3].tolist() == [127, 62, -62, 0]  # ties to even (away from zero: 63, -63, 1)
+    assert torch.isnan(s[4]) and q[4].tolist() == [0, 0, 0, 0]  # an infinity too
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+def test_the_kernel_writes_the_same_bytes_for_ties_nans_and_infinities(dname):
+    """The writers agree where they could part: ties, NaNs of any payload (one quiet NaN scale), infinities."""
+    dtype = DTYPES[dname][0]
+    hkv, dh = 2, 64
+    k, v = _kv(6, hkv, dh, dtype, seed=3)
+    k[0, 0, :2] = torch.tensor([127.0, 62.5])  # scale 1: a tie at 62.5
+    k[1, 1, 5] = float("nan")
+    k[2, 0, 7] = float("-inf")
+    v[3, 1, 0] = torch.tensor(float("nan")).to(dtype)
+    if dtype == torch.float32:  # a NaN with another payload than torch's
+        k[4, 0].view(torch.int32)[3] = 0x7FA00001
+    slots = torch.arange(6) * 3
+    by_torch = torch.zeros(i8_pool_shape(hkv, 2, 16, dh), dtype=torch.int8)
+    write_kv_i8(by_torch, slots, k, v)
+    by_kernel = torch.zeros_like(by_torch)
+    write_by_kernel(by_kernel, slots, k, v, 4)
+    assert torch.equal(by_kernel, by_torch)
 
 
 @pytest.mark.parametrize("dname", DTYPES)
