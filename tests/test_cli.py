@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from isolab.testing.cli import isolab as run_isolab
+from isolab.testing.cli import one_sentence
 from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 
 
@@ -119,6 +120,10 @@ def test_out_of_range_options_get_one_sentence(args, needle):
 def test_bench_url_refuses_engine_only_options():
     out = isolab("bench", "--url", "http://127.0.0.1:9", "--repeats", "2")
     assert out.returncode == 2 and "--repeats and --compare" in out.stderr and "Traceback" not in out.stderr
+    # an engine flag would be silently ignored (no engine runs here): it belongs on the server's command
+    for flag in (["--kv-cache-dtype", "int8"], ["--block-size", "32"], ["--audit"]):
+        out = isolab("bench", "--url", "http://127.0.0.1:9", *flag)
+        one_sentence(out, f"{flag[0]} sets up an engine, and with --url none runs here")
 
 
 def test_a_port_in_use_is_one_sentence_before_the_model_loads():

@@ -74,6 +74,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _refuse_engine_flags(args: argparse.Namespace) -> None:
+    """With --url no engine runs here: an engine flag set away from its default would be silently
+    ignored, so it is refused in one sentence (it belongs on the server's command line)."""
+    from isolab.errors import InvalidRequestError
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    defaults = vars(parser.parse_args([]))
+    for action in parser._actions:
+        if action.dest in defaults and getattr(args, action.dest) != defaults[action.dest]:
+            raise InvalidRequestError(f"{action.option_strings[0]} sets up an engine, and with --url none runs here: "
+                                      f"give it to the server's command", field=action.dest)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -92,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         if args.repeats != 1 or args.compare:
             raise InvalidRequestError("--repeats and --compare run the engine in this process; with --url, run "
                                       "`isolab bench --url` once a server", field="url")
+        _refuse_engine_flags(args)
 
         try:
             extra = json.loads(args.extra_body) if args.extra_body else None
@@ -151,6 +166,7 @@ def _engine_runs(args: argparse.Namespace, wl, result: dict) -> list[tuple[str, 
         run = {"engine": run_engine_bench(llm.engine, wl, args.concurrency)}
         run["engine"]["dtype"] = args.dtype
         weights = run["engine"]["weights"] = llm.engine.bundle.weights
+        run["engine"]["kv_cache_dtype"] = args.kv_cache_dtype
         if i:  # the process's peak now holds transformers' model too: only the first run's is the engine's
             run["engine"]["peak_rss_mib"] = None
         llm.engine.close()
@@ -165,7 +181,8 @@ def _engine_runs(args: argparse.Namespace, wl, result: dict) -> list[tuple[str, 
         return ordered[(len(ordered) - 1) // 2]
 
     result["engine"] = {**median_run("engine"), "peak_rss_mib": runs[0]["engine"]["peak_rss_mib"]}
-    rows = [(f"isolab ({args.dtype}, {weights} weights)", result["engine"])]
+    pool = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} K/V pool"
+    rows = [(f"isolab ({args.dtype}, {weights} weights{pool})", result["engine"])]
     if hf is not None:
         result["hf"] = median_run("hf")
         result["ratio_vs_hf"] = statistics.median(r["ratio_vs_hf"] for r in runs)

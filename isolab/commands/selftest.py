@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("selftest", help="inject each fault and show which checks catch it (healthy engine: none)",
                        description="Inject each fault and show which checks catch it. Of the engine flags, selftest "
-                                   "takes --model, --dtype, --weights, --device and --gemm; each fault scenario sets "
-                                   "up the rest of its engines itself, so the others are refused.")
+                                   "takes --model, --dtype, --weights, --device, --gemm and --kv-cache-dtype (every "
+                                   "scenario's engines on that pool); each fault scenario sets up the rest of its "
+                                   "engines itself, so the others are refused.")
     p.add_argument("--tiny", action="store_true", help="use a tiny random model written to GGUF (seconds, not minutes)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
