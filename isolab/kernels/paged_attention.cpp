@@ -26,9 +26,6 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "simd.h"
 
