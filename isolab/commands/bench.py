@@ -6,7 +6,7 @@ import argparse
 import json
 import platform
 
-from isolab.commands.common import add_engine_args, llm_kwargs
+from isolab.commands.common import add_engine_args, engine_flags_set, llm_kwargs
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -79,13 +79,9 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
     ignored, so it is refused in one sentence (it belongs on the server's command line)."""
     from isolab.errors import InvalidRequestError
 
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
-    defaults = vars(parser.parse_args([]))
-    for action in parser._actions:
-        if action.dest in defaults and getattr(args, action.dest) != defaults[action.dest]:
-            raise InvalidRequestError(f"{action.option_strings[0]} sets up an engine, and with --url none runs here: "
-                                      f"give it to the server's command", field=action.dest)
+    for option, dest in engine_flags_set(args)[:1]:
+        raise InvalidRequestError(f"{option} sets up an engine, and with --url none runs here: give it to the "
+                                  f"server's command", field=dest)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,6 +54,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, metavar="FILE", help="write every block event to this JSONL file")
 
 
+def engine_flags_set(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(option, dest) of each engine flag (add_engine_args) set away from its default, in the order
+    the flags are declared: what a command that builds no engine, or builds its own, must refuse."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    defaults = vars(parser.parse_args([]))
+    return [(a.option_strings[0], a.dest) for a in parser._actions
+            if a.dest in defaults and getattr(args, a.dest) != defaults[a.dest]]
+
+
 def llm_kwargs(args: argparse.Namespace) -> dict:
     from isolab.commands.outputs import check_output_path
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from isolab.commands.common import add_engine_args
+from isolab.commands.common import add_engine_args, engine_flags_set
 
 if TYPE_CHECKING:
     from isolab.models.bundle import ModelBundle
@@ -28,22 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # Engine flags selftest does not take: every scenario builds its own engines, with the pool, block
 # size and limits its fault needs, and runs each one with and without the fault and with and without
-# audit; --fault picks scenarios. (option, dest): refused with a sentence when not the default.
-_NOT_TAKEN = (("--block-size", "block_size"), ("--kv-cache-memory", "kv_cache_memory"),
-              ("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
-              ("--max-model-len", "max_model_len"), ("--no-prefix-cache", "no_prefix_cache"),
-              ("--no-window-cache", "no_window_cache"), ("--audit", "audit"), ("--inject-fault", "inject_fault"),
-              ("--trace", "trace"))
+# audit; --fault picks scenarios. Their dests: refused with a sentence when not the default.
+_NOT_TAKEN = frozenset({"block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                        "no_prefix_cache", "no_window_cache", "audit", "inject_fault", "trace"})
 
 
 def _refuse_untaken_flags(args: argparse.Namespace) -> None:
     from isolab.errors import InvalidRequestError
 
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
-    defaults = parser.parse_args([])
-    for option, dest in _NOT_TAKEN:
-        if getattr(args, dest) != getattr(defaults, dest):
+    for option, dest in engine_flags_set(args):
+        if dest in _NOT_TAKEN:
             hint = "; use --fault to pick scenarios" if dest == "inject_fault" else ""
             raise InvalidRequestError(f"selftest does not take {option}: each fault scenario builds its own engines "
                                       f"(with and without the fault, with and without audit){hint}", field=dest)

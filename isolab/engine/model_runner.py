@@ -52,6 +52,7 @@ class AttentionGroup:
     #   (kv, head, row, block-table entry) in that order, tables padded with the null block
     num_blocks: int  # nb: blocks per row after padding
     hidden: torch.Tensor  # (B, T, nb * bs) causal mask, computed once per step
+    block_ids: torch.Tensor  # (B, nb) each row's block table, padded with the null block (the int8 pool's gather)
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,8 @@ class PagedAttention:
             write_kv(kv, slot_mapping, k, v, native=False)
         out = torch.empty_like(q)
         for g in self.groups[group]:
-            if i8:  # the group's block ids: plane 0's rows of gather_rows (see _group)
-                blocks = g.gather_rows[: g.rows.shape[0] * g.num_blocks].view(g.rows.shape[0], g.num_blocks)
-                kb, vb = gather_kv_i8(kv, blocks, q.dtype)
+            if i8:
+                kb, vb = gather_kv_i8(kv, g.block_ids, q.dtype)
             else:
                 kb, vb = gather_kv(kv, g.gather_rows, g.rows.shape[0], native=False)  # (Hkv, B, S, Dh)
             o = attention_core(q[g.rows], kb, vb, g.q_pos, self.scale, g.hidden, window)  # (B, T, H, Dh)
@@ -151,7 +151,8 @@ class ModelRunner:
         nb = -(-nb * bs // KEY_PAD) * KEY_PAD // bs if (nb * bs) % KEY_PAD else nb
         ids = torch.tensor([b for t in tables for b in t + [0] * (nb - len(t))], device=self.device)
         planes = torch.arange(2 * self.model.hp.num_kv_heads, device=self.device).view(-1, 1) * self.storage.num_blocks
-        return AttentionGroup(rows, q_pos, (planes + ids).view(-1), nb, causal_hidden(q_pos, nb * bs))
+        return AttentionGroup(rows, q_pos, (planes + ids).view(-1), nb, causal_hidden(q_pos, nb * bs),
+                              ids.view(len(tables), nb))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Compute every chunk's K/V into the pool, and sample one token for each sampling chunk."""

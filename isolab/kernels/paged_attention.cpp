@@ -604,6 +604,59 @@ static void attention_amx_configure() {
     _tile_loadconfig(&c);
 }
 
+// The tile steps both AMX units share (the bf16 pool's and the int8 pool's), for units of Dh = 64.
+// Load the unit's R * G query rows (row t = r * G + g) into tmm6-7 (dims 0..31, 32..63); returns the
+// keys of its longest row.
+static inline int amx_unit_queries(const uint16_t* q, long qs, const int32_t* q_pos, int n0, int R, int G, int h,
+                                   uint16_t* qb) {
+    constexpr int DH = 64;
+    int Lmax = 0;
+    for (int r = 0; r < R; r++) Lmax = q_pos[n0 + r] + 1 > Lmax ? q_pos[n0 + r] + 1 : Lmax;
+    for (int r = 0; r < R; r++)
+        std::memcpy(qb + (long)r * G * DH, q + (long)(n0 + r) * qs + (long)h * G * DH, sizeof(uint16_t) * G * DH);
+    _tile_loadd(6, qb, DH * 2);
+    _tile_loadd(7, qb + 32, DH * 2);
+    return Lmax;
+}
+// One 16-key block's scores (K block kb, bf16 pairs) into the unit's score rows at column s:
+// C = 0, += Q[0..31] . K, += Q[32..63] . K.
+static inline void amx_scores(const uint16_t* kb, float* s, long sstride) {
+    _tile_zero(0);
+    _tile_loadd(1, kb, 64);
+    _tile_dpbf16ps(0, 6, 1);
+    _tile_loadd(1, kb + 16 * 32, 64);
+    _tile_dpbf16ps(0, 7, 1);
+    _tile_stored(0, s, sstride);
+}
+// One 16-key block's P.V: the bf16 probabilities at p (the unit's rows, stride sstride bytes) times
+// the V block vb (bf16 key pairs), into the output tiles tmm0-3 (dims 0..15, ..., 48..63).
+static inline void amx_pv(const uint16_t* p, long sstride, const uint16_t* vb) {
+    constexpr int DH = 64;
+    _tile_loadd(4, p, sstride);
+    _tile_loadd(5, vb, DH * 2 * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, vb + 32, DH * 2 * 2);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, vb + 64, DH * 2 * 2);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, vb + 96, DH * 2 * 2);
+    _tile_dpbf16ps(3, 4, 5);
+}
+// The output tiles through ob to each (row, head) of the unit, divided by its softmax sum.
+static inline void amx_store_output(float* ob, const float* sum, int T, int G, int H, int n0, int h, uint16_t* out) {
+    constexpr int DH = 64;
+    _tile_stored(0, ob, DH * 4);
+    _tile_stored(1, ob + 16, DH * 4);
+    _tile_stored(2, ob + 32, DH * 4);
+    _tile_stored(3, ob + 48, DH * 4);
+    for (int t = 0; t < T; t++) {
+        const int r = t / G, g = t % G;
+        uint16_t* o = out + ((long)(n0 + r) * H + (long)h * G + g) * DH;
+        const float inv = 1.0f / sum[t];
+        for (int d = 0; d < DH; d += 16) store16(o + d, load16(ob + (long)t * DH + d) * inv);
+    }
+}
+
 // rows n0..n0+R-1 (one table; R*G <= 16), KV head h. qs: row stride of q; out: (N, H, 64).
 // Scratch: sc (16, Lpad) fp32, qb (16, 64) bf16, ob (16, 64) fp32, vt (8, 64, 2) bf16.
 static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, const uint16_t* vplane,
@@ -611,14 +664,8 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
                             float scale, uint16_t* out, float* sc, int Lpad, uint16_t* qb, float* ob, uint16_t* vt) {
     constexpr int BS = 16, DH = 64;
     const int T = R * G;  // tile rows in use: t = r * G + g
-    int Lmax = 0;
-    for (int r = 0; r < R; r++) Lmax = q_pos[n0 + r] + 1 > Lmax ? q_pos[n0 + r] + 1 : Lmax;
-    const int nblk = (Lmax + BS - 1) / BS;
-    for (int r = 0; r < R; r++)
-        std::memcpy(qb + (long)r * G * DH, q + (long)(n0 + r) * qs + (long)h * G * DH, sizeof(uint16_t) * G * DH);
+    const int Lmax = amx_unit_queries(q, qs, q_pos, n0, R, G, h, qb), nblk = (Lmax + BS - 1) / BS;
     const long sstride = (long)Lpad * sizeof(float);
-    _tile_loadd(6, qb, DH * 2);
-    _tile_loadd(7, qb + 32, DH * 2);
     // The within-task prefetch (TaskPrefetch; bench/attention_prefetch.py: 0.89-0.92x at 128
     // decode rows, whose units are single rows with their blocks anywhere in the pool). The
     // next-task prefetch has no counterpart here: tried (tasks claimed one ahead, the next one's K
@@ -628,14 +675,8 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
                                    prefetch_level.load(std::memory_order_relaxed) != 0};
     pre.begin();
     for (int i = 0; i < nblk; i++) {
-        const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
         pre.at(i);
-        _tile_zero(0);
-        _tile_loadd(1, kb, 64);
-        _tile_dpbf16ps(0, 6, 1);
-        _tile_loadd(1, kb + 16 * 32, 64);
-        _tile_dpbf16ps(0, 7, 1);
-        _tile_stored(0, sc + (long)i * BS, sstride);
+        amx_scores(kplane + ((long)h * NB + table[i]) * DH * BS, sc + (long)i * BS, sstride);
     }
     float sum[16];
     for (int t = 0; t < T; t++) {
@@ -663,26 +704,9 @@ static void attend_unit_amx(const uint16_t* q, long qs, const uint16_t* kplane, 
                 for (int d = 0; d < DH; d++) vt[vidx(vt, j, d, DH)] = 0;
             vb = vt;
         }
-        _tile_loadd(4, (const uint16_t*)(const void*)sc + (long)i * BS, sstride);
-        _tile_loadd(5, vb, DH * 2 * 2);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vb + 32, DH * 2 * 2);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, vb + 64, DH * 2 * 2);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, vb + 96, DH * 2 * 2);
-        _tile_dpbf16ps(3, 4, 5);
+        amx_pv((const uint16_t*)(const void*)sc + (long)i * BS, sstride, vb);
     }
-    _tile_stored(0, ob, DH * 4);
-    _tile_stored(1, ob + 16, DH * 4);
-    _tile_stored(2, ob + 32, DH * 4);
-    _tile_stored(3, ob + 48, DH * 4);
-    for (int t = 0; t < T; t++) {
-        const int r = t / G, g = t % G;
-        uint16_t* o = out + ((long)(n0 + r) * H + (long)h * G + g) * DH;
-        const float inv = 1.0f / sum[t];
-        for (int d = 0; d < DH; d += 16) store16(o + d, load16(ob + (long)t * DH + d) * inv);
-    }
+    amx_store_output(ob, sum, T, G, H, n0, h, out);
 }
 #define ISOLAB_HAVE_AMX_ATTENTION 1
 #else
@@ -1019,14 +1043,8 @@ static void attend_unit_amx_i8(const uint16_t* q, long qs, const int8_t* kplane,
     constexpr int BS = 16, DH = 64;
     constexpr long RB = (long)BS * (DH + 4);
     const int T = R * G;
-    int Lmax = 0;
-    for (int r = 0; r < R; r++) Lmax = q_pos[n0 + r] + 1 > Lmax ? q_pos[n0 + r] + 1 : Lmax;
-    const int nblk = (Lmax + BS - 1) / BS;
-    for (int r = 0; r < R; r++)
-        std::memcpy(qb + (long)r * G * DH, q + (long)(n0 + r) * qs + (long)h * G * DH, sizeof(uint16_t) * G * DH);
+    const int nblk = (amx_unit_queries(q, qs, q_pos, n0, R, G, h, qb) + BS - 1) / BS;
     const long sstride = (long)Lpad * sizeof(float);
-    _tile_loadd(6, qb, DH * 2);
-    _tile_loadd(7, qb + 32, DH * 2);
     const TaskPrefetch<DH, BS, int8_t, (int)RB> pre{kplane, vplane, table, NR, h, 0, nblk,
                                                     prefetch_level.load(std::memory_order_relaxed) != 0};
     pre.begin();
@@ -1034,12 +1052,7 @@ static void attend_unit_amx_i8(const uint16_t* q, long qs, const int8_t* kplane,
         const int8_t* kb = kplane + ((long)h * NR + table[i]) * RB;
         pre.at(i);
         run_to_bf16(kb, kt);
-        _tile_zero(0);
-        _tile_loadd(1, kt, 64);
-        _tile_dpbf16ps(0, 6, 1);
-        _tile_loadd(1, kt + 16 * 32, 64);
-        _tile_dpbf16ps(0, 7, 1);
-        _tile_stored(0, sc + (long)i * BS, sstride);
+        amx_scores(kt, sc + (long)i * BS, sstride);
     }
     float sum[16];
     for (int t = 0; t < T; t++) {
@@ -1066,26 +1079,9 @@ static void attend_unit_amx_i8(const uint16_t* q, long qs, const int8_t* kplane,
     _tile_zero(3);
     for (int i = 0; i < nblk; i++) {
         run_to_bf16(vplane + ((long)h * NR + table[i]) * RB, vt);
-        _tile_loadd(4, (const uint16_t*)(const void*)sc + (long)i * BS, sstride);
-        _tile_loadd(5, vt, DH * 2 * 2);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vt + 32, DH * 2 * 2);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, vt + 64, DH * 2 * 2);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, vt + 96, DH * 2 * 2);
-        _tile_dpbf16ps(3, 4, 5);
+        amx_pv((const uint16_t*)(const void*)sc + (long)i * BS, sstride, vt);
     }
-    _tile_stored(0, ob, DH * 4);
-    _tile_stored(1, ob + 16, DH * 4);
-    _tile_stored(2, ob + 32, DH * 4);
-    _tile_stored(3, ob + 48, DH * 4);
-    for (int t = 0; t < T; t++) {
-        const int r = t / G, g = t % G;
-        uint16_t* o = out + ((long)(n0 + r) * H + (long)h * G + g) * DH;
-        const float inv = 1.0f / sum[t];
-        for (int d = 0; d < DH; d += 16) store16(o + d, load16(ob + (long)t * DH + d) * inv);
-    }
+    amx_store_output(ob, sum, T, G, H, n0, h, out);
 }
 #endif
 

@@ -159,33 +159,21 @@ def attention_mismatches(dtype: torch.dtype, device: torch.device, heads: int, h
     k = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(hkv, b, s, dh, generator=g).to(device=device, dtype=dtype)
     pos = torch.randint(s // 4, s - 10, (b, 1), generator=g).to(device)
-    if kv_pool == "int8" and not native:  # the torch path attends over the pool's dequantized values
-        blocks = torch.arange(b * (s // bs), device=device).view(b, -1) + 1
-        pool8 = torch.zeros(i8_pool_shape(hkv, b * (s // bs) + 1, bs, dh), dtype=torch.int8, device=device)
-        write_kv_i8(pool8, torch.arange(bs, (b * (s // bs) + 1) * bs, device=device),
-                    k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
-        k, v = gather_kv_i8(pool8, blocks, dtype)
-
-    if native and kv_pool == "int8":  # the same keys in the 8-bit pool, the same tables
-        nb = s // bs
+    # the same keys in a pool (bf16/fp32 or the 8-bit one): row i's table is blocks i*nb+1 .. (i+1)*nb
+    nb = s // bs
+    slots = torch.arange(bs, (b * nb + 1) * bs, device=device)
+    kk, vv = k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh)
+    tables = (torch.arange(b * nb, dtype=torch.int32, device=device) + 1).view(b, nb)
+    if kv_pool == "int8":
         pool = torch.zeros(i8_pool_shape(hkv, b * nb + 1, bs, dh), dtype=torch.int8, device=device)
-        write_kv_i8(pool, torch.arange(bs, (b * nb + 1) * bs, device=device),
-                    k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
-        tables = (torch.arange(b * nb, dtype=torch.int32, device=device) + 1).view(b, nb)
-
-        def attend(qs, rows, p, width):
-            t = tables[rows][:, : -(-width // bs)].contiguous()
-            row_table = torch.arange(len(rows), dtype=torch.int32, device=device).repeat_interleave(qs.shape[1])
-            out = kernels.paged_attention(qs.reshape(-1, heads, dh), pool, t, row_table,
-                                          p.reshape(-1).to(torch.int32), dh**-0.5)
-            return out.view(qs.shape)
-    elif native:  # the same keys in a pool: row i's table is blocks i*nb+1 .. (i+1)*nb
-        nb = s // bs
+        write_kv_i8(pool, slots, kk, vv)
+        if not native:  # the torch path attends over the pool's dequantized values
+            k, v = gather_kv_i8(pool, tables.long(), dtype)
+    elif native:
         pool = torch.zeros(2, hkv, b * nb + 1, bs, dh, dtype=dtype, device=device)
-        slots = torch.arange(bs, (b * nb + 1) * bs, device=device)
-        write_kv(pool, slots, k.permute(1, 2, 0, 3).reshape(-1, hkv, dh), v.permute(1, 2, 0, 3).reshape(-1, hkv, dh))
-        tables = (torch.arange(b * nb, dtype=torch.int32, device=device) + 1).view(b, nb)
+        write_kv(pool, slots, kk, vv)
 
+    if native:
         def attend(qs, rows, p, width):
             t = tables[rows][:, : -(-width // bs)].contiguous()
             row_table = torch.arange(len(rows), dtype=torch.int32, device=device).repeat_interleave(qs.shape[1])
@@ -227,7 +215,7 @@ def with_kv_pool(report: InvarianceReport, kv_pool: str, device: torch.device, h
                  native: bool) -> InvarianceReport:
     """The report of an engine whose K/V pool is `kv_pool`: for "int8", attention over the 8-bit pool
     checked the same three ways (once a process for each shape: 1.6 s for SmolLM2's on the AMX
-    Xeon) and folded into the verdict; "auto": the report as it is."""
+    Xeon, timed by hand) and folded into the verdict; "auto": the report as it is."""
     if kv_pool == "auto":
         return report
     found = _pool_mismatches(kv_pool, report.dtype, str(device), heads, native)
