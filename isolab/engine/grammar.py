@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 # Compact JSON (no free whitespace): a small model otherwise fills its budget with newlines.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+MAX_CACHED = 1024  # compiled grammars a compiler keeps (each its grammar's text)
 
 
 @dataclass(frozen=True)
@@ -42,27 +44,45 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, fingerprint: str) -> None:
         import llguidance
-        import llguidance.hf
 
         self._ll = llguidance
-        backend = getattr(tokenizer.hf, "backend_tokenizer", None)
+        self._tokenizer = tokenizer
+        self._lltok: llguidance.LLTokenizer | None = None  # built on first use (lltok)
+        self.fingerprint = fingerprint
+        self.vocab_size = vocab_size
+        # compiled grammars by key, least recently used first: at most MAX_CACHED (a client that sends a
+        # new schema with every request must not grow the server without bound)
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles on its handlers' threads
+        self.num_compiled = 0
+
+    @property
+    def lltok(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer over the vocabulary, built on the first structured request (SmolLM2's
+        49k tokens: 0.2 s and 37 MiB that a server which never sees one does not hold; hand-timed)."""
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = self._build_lltok()
+            return self._lltok
+
+    def _build_lltok(self) -> llguidance.LLTokenizer:
+        import llguidance.hf
+
+        tok = self._tokenizer
+        backend = getattr(tok.hf, "backend_tokenizer", None)
         if backend is not None and backend.padding is None and backend.truncation is None:
             # what llguidance.hf.from_tokenizer does, without its copy of the Rust tokenizer (made
             # only to switch padding and truncation off, which ours never has): 1.3 s and a
             # transient second vocabulary for Gemma 3's 262k tokens
-            self.lltok = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.hf.eos_token_id)
-        else:
-            self.lltok = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size)
-        self.fingerprint = fingerprint
-        self.vocab_size = vocab_size
-        self._cache: dict[str, CompiledGrammar] = {}
-        self._lock = threading.Lock()  # the server compiles on its handlers' threads
-        self.num_compiled = 0
+            return self._ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=tok.hf.eos_token_id)
+        return llguidance.hf.from_tokenizer(tok.hf, n_vocab=self.vocab_size)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         key = spec.key(self.fingerprint)
         with self._lock:
             hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
         if hit is not None:
             return hit
         M = self._ll.LLMatcher
@@ -85,6 +105,8 @@ class GrammarCompiler:
         compiled = CompiledGrammar(key, text)
         with self._lock:
             self._cache.setdefault(key, compiled)
+            while len(self._cache) > MAX_CACHED:
+                self._cache.popitem(last=False)
             self.num_compiled += 1
         return compiled
 

@@ -53,7 +53,7 @@ def create_app(engine: LLMEngine, tenants: TenantRegistry, config: ServerConfig 
     names = default_model_names(engine.bundle.path, engine.bundle.name)
     facts = ModelFacts(tokenizer=engine.tokenizer, default_names=names, max_model_len=engine.max_request_tokens,
                        max_num_seqs=engine.config.scheduler.max_num_seqs, num_engines=1,
-                       grammars=engine.grammars,  # built here, before the engine thread starts
+                       grammars=engine.grammars,  # made here, before the engine thread starts (its tokenizer on first use)
                        numerics=engine.numerics, kv_cache_dtype=engine.config.cache.kv_cache_dtype)
     return create_app_over(EngineLoop(engine), facts, tenants, config)
 

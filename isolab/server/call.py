@@ -41,6 +41,7 @@ class Choice:
     # goes out with the chunk that carries its token's text (text held back for a stop string, or a
     # character still being completed, holds its entries back too)
     held: list[tuple[int, TokenLogprob]] = field(default_factory=list)
+    held_from: int = 0  # where the first held entry's token text starts (the last one sent's end)
 
 
 def _ends_turn(tok: Tokenizer, token: int) -> bool:
@@ -126,8 +127,13 @@ class Call:
         if c.held:
             sent = len(c.text.sent)
             ready = len(c.held) if o.finished else next((i for i, (ends, _) in enumerate(c.held) if ends > sent), len(c.held))
+            if o.finished and c.text.first_stop is not None:  # a stop string was cut: tokens wholly inside it go too
+                starts = [c.held_from] + [ends for ends, _ in c.held[:-1]]
+                ready = next((i for i, start in enumerate(starts) if start >= sent), ready)
             lps = [lp for _, lp in c.held[:ready]]
-            del c.held[:ready]
+            if ready:
+                c.held_from = c.held[ready - 1][0]
+            del c.held[: len(c.held) if o.finished else ready]
             if o.finished and o.finish_reason == "stop" and lps and _ends_turn(c.text.tok, lps[-1].token_id):
                 lps = lps[:-1]  # the EOS / end-of-turn token adds no text: no logprobs entry (as OpenAI)
         return c, c.out.delta(delta, lps, o.prompt_logprobs)

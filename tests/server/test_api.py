@@ -383,3 +383,36 @@ def test_a_chunks_logprobs_never_run_ahead_of_its_text(srv):
             joined = b"".join(token_bytes(t) for t in entries)
             assert sent.encode().startswith(joined), (sent, entries)
     assert sent == text and b"".join(token_bytes(t) for t in entries) == text.encode()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_tokens_wholly_inside_a_cut_stop_string_have_no_logprobs_entries(srv, chat):
+    """A stop string is cut from the text, so the tokens that only spelled it (generated before the
+    match completed) lose their logprobs entries too: every entry's token starts inside the text
+    returned, and the entries' bytes cover that text (a token that straddles the cut keeps its own)."""
+    c = srv.client()
+    text, stop = "hello there, general kenobi!", " general kenobi"
+    cut = text[: text.find(stop)]
+    for stream in (False, True):
+        if chat:
+            kw = dict(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
+                      logprobs=True, top_logprobs=1, stop=[stop], extra_body={"guided_choice": [text]})
+            pieces = c.chat.completions.create(stream=stream, **kw)
+            got, tokens = "", []
+            for ch in (pieces if stream else [pieces]):
+                for choice in ch.choices:
+                    got += (choice.delta.content if stream else choice.message.content) or ""
+                    tokens += [e.token for e in choice.logprobs.content] if choice.logprobs and choice.logprobs.content else []
+        else:
+            kw = dict(model=srv.model, prompt="hi", max_tokens=40, temperature=0, logprobs=1, stop=[stop],
+                      extra_body={"guided_choice": [text]})
+            pieces = c.completions.create(stream=stream, **kw)
+            got, tokens = "", []
+            for ch in (pieces if stream else [pieces]):
+                for choice in ch.choices:
+                    got += choice.text
+                    tokens += choice.logprobs.tokens if choice.logprobs else []
+        assert got == cut
+        starts = [len(b"".join(token_bytes(t) for t in tokens[:i])) for i in range(len(tokens))]
+        assert b"".join(token_bytes(t) for t in tokens).startswith(cut.encode()), tokens
+        assert all(s < len(cut.encode()) for s in starts), (tokens, cut)

@@ -178,3 +178,24 @@ def test_properties_come_out_in_the_schemas_order(srv, order):
         text, reason = _chat(srv, False, seed=seed, response_format={
             "type": "json_schema", "json_schema": {"name": "o", "schema": schema, "strict": True}})
         assert reason == "stop" and tuple(json.loads(text)) == order, text
+
+
+def test_the_compiler_builds_its_tokenizer_on_first_use_and_keeps_a_bounded_cache(tiny_bundle, monkeypatch):
+    """A server that never sees a structured request never holds llguidance's tokenizer (tens of MiB
+    for a real vocabulary); and a client sending a new schema each time cannot grow the cache
+    without bound: the least recently used grammar goes."""
+    from isolab.engine import grammar
+    from isolab.engine.grammar import GrammarCompiler
+
+    monkeypatch.setattr(grammar, "MAX_CACHED", 2)
+    compiler = GrammarCompiler(tiny_bundle.tokenizer, tiny_bundle.hparams.vocab_size, tiny_bundle.fingerprint)
+    assert compiler._lltok is None
+    specs = [GrammarSpec.choice([w, w + "!"]) for w in ("a", "b", "c")]
+    first = compiler.compile(specs[0])
+    assert compiler._lltok is not None
+    compiler.compile(specs[1])
+    assert compiler.compile(specs[0]) is first  # a hit: now the most recent
+    compiler.compile(specs[2])  # evicts b, the least recently used
+    assert list(compiler._cache) == [first.key, specs[2].key(compiler.fingerprint)]
+    assert compiler.num_compiled == 3
+    assert not compiler.matcher(first).is_error()
