@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, build_engine_config
+from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import LLMEngine, RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import InvalidRequestError
@@ -160,10 +161,21 @@ class LLM:
                 request_id=rid,
                 prompt_token_ids=tuple(p),
                 token_ids=o.output_token_ids,
-                text=self.tokenizer.decode(o.output_token_ids),
+                text=self._text(o.output_token_ids, sp),
                 finish_reason=o.finish_reason,
                 num_cached_tokens=o.num_cached_tokens,
                 logprobs=tuple(lps[rid]) if sp.logprobs is not None else None,
                 prompt_logprobs=(None, *plps.get(rid, ())) if sp.prompt_logprobs is not None else None,
             ))
         return out
+
+    def _text(self, ids: Sequence[int], sp: SamplingParams) -> str:
+        """The output's text as the server returns it: a stop string (counted from min_tokens on, as the
+        engine stops) and what follows it cut; token_ids and logprobs keep every generated token."""
+        if not sp.stop:
+            return self.tokenizer.decode(ids)
+        detok = Detokenizer(self.tokenizer, sp.stop, sp.min_tokens)
+        for i in ids:  # one at a time, as the engine saw them (a stop string in the first min_tokens - 1 does not count)
+            detok.push((i,))
+        detok.finish()
+        return detok.sent

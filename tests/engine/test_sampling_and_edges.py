@@ -70,6 +70,9 @@ def test_stop_strings_and_tokens(llm):
     if piece.strip():
         out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, stop=(piece,), ignore_eos=True))[0]
         assert out.finish_reason == "stop"
+        # the text ends before the stop string, as the server's does; the token ids keep every token
+        assert out.text == free.text[: free.text.find(piece)]
+        assert out.token_ids == free.token_ids[: len(out.token_ids)]
 
 
 def test_bad_prompts_are_rejected_with_a_sentence(llm):
