@@ -34,6 +34,7 @@ class CompletionOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     # SamplingParams.prompt_logprobs only: one per prompt token, None for the first (nothing before it)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (None: EOS, length)
 
 
 class LLM:
@@ -109,7 +110,7 @@ class LLM:
             raise InvalidRequestError("chat takes a conversation (a list of {'role', 'content'} messages) or a list "
                                       f"of them, not {type(conversations).__name__}", field="messages")
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
-        ids = [self.tokenizer.apply_chat_template(list(c)) for c in convs]  # type: ignore[arg-type]
+        ids = [self.tokenizer.apply_chat_template(_for_template(c)) for c in convs]  # type: ignore[arg-type]
         return self._run(ids, params, cache_scope, None)
 
     def _run(
@@ -161,17 +162,22 @@ class LLM:
                 request_id=rid,
                 prompt_token_ids=tuple(p),
                 token_ids=o.output_token_ids,
-                text=self._text(o.output_token_ids, sp),
+                text=self._text(o, sp),
                 finish_reason=o.finish_reason,
                 num_cached_tokens=o.num_cached_tokens,
                 logprobs=tuple(lps[rid]) if sp.logprobs is not None else None,
                 prompt_logprobs=(None, *plps.get(rid, ())) if sp.prompt_logprobs is not None else None,
+                stop_reason=o.stop_reason,
             ))
         return out
 
-    def _text(self, ids: Sequence[int], sp: SamplingParams) -> str:
+    def _text(self, o: RequestOutput, sp: SamplingParams) -> str:
         """The output's text as the server returns it: a stop string (counted from min_tokens on, as the
-        engine stops) and what follows it cut; token_ids and logprobs keep every generated token."""
+        engine stops) and what follows it cut, and a stop_token_ids token that ended it (as vLLM);
+        token_ids and logprobs keep every generated token."""
+        ids = o.output_token_ids
+        if o.finish_reason == "stop" and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
+            ids = ids[:-1]
         if not sp.stop:
             return self.tokenizer.decode(ids)
         detok = Detokenizer(self.tokenizer, sp.stop, sp.min_tokens)
@@ -179,3 +185,23 @@ class LLM:
             detok.push((i,))
         detok.finish()
         return detok.sent
+
+
+def _for_template(conversation: Sequence[Message]) -> list[Message]:
+    """The messages as the server reads them (its ChatMessage): roles checked, 'developer' as
+    'system', content given as a list of text parts joined, earlier tool calls written out; so a
+    conversation gets the same prompt here and over HTTP. A bad message is one sentence."""
+    from pydantic import ValidationError
+
+    from isolab.server.protocol import ChatMessage
+
+    out = []
+    for i, m in enumerate(conversation):
+        try:
+            out.append(ChatMessage.model_validate(m).for_template())
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            msg = str(err.get("msg", "not a valid message")).removeprefix("Value error, ")
+            raise InvalidRequestError(f"messages[{i}]{'.' + where if where else ''}: {msg}", field="messages") from None
+    return out

@@ -127,7 +127,8 @@ class LLMEngine:
         self.max_request_tokens = lo
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len,
                                    end_of_turn=self.tokenizer.end_of_turn_ids)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id, self.kv_groups)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id, self.kv_groups,
+                                  self.tokenizer.end_of_turn_ids)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None

@@ -128,7 +128,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, storage: KVStorage, kv: KVCacheManager, faults: Faults = Faults(),
-                 eos_token_id: int | None = None, kv_groups: tuple[KVGroup, ...] | None = None) -> None:
+                 eos_token_id: int | None = None, kv_groups: tuple[KVGroup, ...] | None = None,
+                 end_of_turn: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -141,6 +142,7 @@ class ModelRunner:
         self.device = model.device
         self.scale = model.hp.head_dim ** -0.5
         self.eos_token_id = eos_token_id  # min_tokens masks it
+        self.end_of_turn = end_of_turn  # and these (tokens that stop a request as EOS does)
         # FAULT shared-rng: one generator for every request (seeded once, at start); read only here.
         self.shared_generator = make_generator(0, model.device) if faults.shared_rng else None
 
@@ -163,7 +165,7 @@ class ModelRunner:
         if inputs.last_rows is None:
             return ModelRunnerOutput((), prompt_lps)
         logits = self.model.logits_raw(hidden[inputs.last_rows])  # (M, V) one row per sampling chunk
-        drawn = sample(logits, sampling, self.shared_generator, self.eos_token_id)
+        drawn = sample(logits, sampling, self.shared_generator, self.eos_token_id, self.end_of_turn)
         return ModelRunnerOutput(tuple(
             SampledToken(req.request_id, token, lp) for req, (token, lp) in zip(sampling, drawn, strict=True)
         ), prompt_lps)

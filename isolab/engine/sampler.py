@@ -41,12 +41,14 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
-def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: int | None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: int | None,
+                   end_of_turn: frozenset[int] = frozenset()) -> torch.Tensor:
     """(M, V) raw logits -> (M, V) with each asking row's penalties, bias and min_tokens applied.
 
     Rows that ask for nothing are the input's rows, untouched. For the others, in this order (as
     vLLM): repetition penalty over prompt + output tokens, frequency and presence penalties over
-    output tokens, logit_bias, then min_tokens masks EOS and the stop tokens, and last the
+    output tokens, logit_bias, then min_tokens masks EOS, the end-of-turn tokens that stop a request
+    as EOS does (Gemma's <end_of_turn>: engine/stop.py) and the stop tokens, and last the
     request's grammar (structured outputs) masks what its own matcher forbids. Each is elementwise
     in its row, so a row's result never depends on the others (batch invariance holds). One
     tensor op per rule for all asking rows; the Python work is building the index lists.
@@ -82,8 +84,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
         rows, toks = rows_and_tokens([[t for t in b if t < V] for b in biases])
         vals = torch.tensor([b[t] for b in biases for t in b if t < V], dtype=sub.dtype, device=dev)
         sub[rows, toks] += vals  # one entry per (row, token): no accumulation order to fix
-    banned = [([eos_token_id] if eos_token_id is not None else []) + list(r.params.stop_token_ids)
-              if len(r.output_token_ids) < r.params.min_tokens else [] for r in reqs]
+    ends = ([eos_token_id] if eos_token_id is not None else []) + sorted(end_of_turn)
+    banned = [ends + list(r.params.stop_token_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in reqs]
     if any(banned):
         rows, toks = rows_and_tokens([[t for t in b if t < V] for b in banned])
         sub[rows, toks] = float("-inf")
@@ -134,7 +136,7 @@ def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) 
 
 def sample(
     logits: torch.Tensor, requests: list[Request], shared_generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | None = None, end_of_turn: frozenset[int] = frozenset(),
 ) -> list[tuple[int, TokenLogprob | None]]:
     """logits (M, V) bf16 or float32, one row per request -> one (token, logprob) per request.
 
@@ -148,7 +150,7 @@ def sample(
         return []
     if not all(r.params.greedy and not r.params.processes_logits and r.params.logprobs is None for r in requests):
         logits = logits.float()
-    chosen = process_logits(logits, requests, eos_token_id)
+    chosen = process_logits(logits, requests, eos_token_id, end_of_turn)
     tokens: list[int] = argmax_rows(chosen).tolist()
     for i, req in enumerate(requests):
         p = req.params

@@ -44,6 +44,12 @@ class Choice:
     held_from: int = 0  # where the first held entry's token text starts (the last one sent's end)
 
 
+def _stopped_by_token(o: RequestOutput) -> bool:
+    """Whether the output's last token is a stop_token_ids token that finished the request."""
+    return (o.finished and o.finish_reason == "stop" and isinstance(o.stop_reason, int)
+            and not isinstance(o.stop_reason, bool) and bool(o.new_token_ids) and o.new_token_ids[-1] == o.stop_reason)
+
+
 def _ends_turn(tok: Tokenizer, token: int) -> bool:
     """A token that ends a request without being part of its text: EOS or an end-of-turn token."""
     return token == tok.eos_token_id or token in tok.end_of_turn_ids
@@ -106,12 +112,15 @@ class Call:
                 self.metrics.ttft.observe(self.first_token_at - self.arrival)
             c.num_tokens += len(o.new_token_ids)
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
-            delta = c.text.push(o.new_token_ids)
+            ids, new_lps = o.new_token_ids, o.new_logprobs
+            if _stopped_by_token(o):  # the stop token is cut as a stop string is (vLLM): no text, no entry
+                ids, new_lps = ids[:-1], new_lps[: len(ids) - 1]
+            delta = c.text.push(ids)
             # the text its token completes: with a character still open (a pending that may hold whole
             # characters before it, e.g. " " then the first bytes of an emoji), that character too
             pending = c.text.pending
             ends = len(c.text.text) + (len(pending.rstrip("\ufffd")) + 1 if pending else 0)
-            c.held.extend((ends, lp) for lp in o.new_logprobs)
+            c.held.extend((ends, lp) for lp in new_lps)
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"

@@ -187,7 +187,7 @@ class ChatMessage(BaseModel):
         """What OpenAI requires of each role: content, except where an assistant turn made tool calls;
         a tool result names the call it answers."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            article = "an" if self.role[:1] in "aeiou" else "a"
+            article = "an" if self.role == "assistant" else "a"  # (a user, a system, a developer, a tool)
             raise ValueError(f"{article} {self.role} message needs content" + (" (or tool_calls)" if self.role == "assistant" else ""))
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")

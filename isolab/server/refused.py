@@ -20,7 +20,7 @@ REFUSED: dict[str, str] = {
     "mirostat": "mirostat sampling is not supported",
     "mirostat_tau": "mirostat sampling is not supported",
     "mirostat_eta": "mirostat sampling is not supported",
-    "include_stop_str_in_output": "stop strings are always cut from the output",
+    "include_stop_str_in_output": "stop strings and stop_token_ids tokens are always cut from the output",
     "skip_special_tokens": "special tokens are always skipped",
     "truncate_prompt_tokens": "prompts are never truncated: a long prompt is refused",
     "add_generation_prompt": "the chat template always adds the generation prompt",

@@ -146,3 +146,16 @@ def test_processed_requests_batched_equal_alone(tiny_bundle):
         prompt = tuple(rng.randrange(1, 200) for _ in range(rng.randint(3, 40)))
         arrivals.append(Arrival(i // 3, f"r{i}", prompt, SamplingParams(max_tokens=12, logprobs=2, **kw)))
     assert solo_mismatches(tiny_bundle, arrivals, kv_blocks=64) == []
+
+
+def test_min_tokens_holds_off_the_end_of_turn_tokens_too(tiny_bundle):
+    """Gemma stops on <end_of_turn> as on EOS (engine/stop.py): before min_tokens it is masked as
+    EOS is, not a stop the request takes at once."""
+    import copy
+    import dataclasses
+
+    tok = copy.copy(tiny_bundle.tokenizer)
+    tok.end_of_turn_ids = frozenset({42})
+    llm = LLM(bundle=dataclasses.replace(tiny_bundle, tokenizer=tok), kv_cache_memory=1 << 20)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, min_tokens=3, logit_bias=((42, 100.0),)))[0]
+    assert 42 not in out.token_ids[:3] and out.token_ids[3:] == (42,) and out.finish_reason == "stop"

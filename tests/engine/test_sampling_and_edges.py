@@ -66,6 +66,7 @@ def test_stop_strings_and_tokens(llm):
     stop_tok = free.token_ids[3]
     out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok and len(out.token_ids) == free.token_ids.index(stop_tok) + 1
+    assert out.stop_reason == stop_tok and out.text == llm.tokenizer.decode(list(out.token_ids[:-1]))  # cut, as vLLM
     piece = free.text[len(free.text) // 2 :][:2]
     if piece.strip():
         out = llm.generate("the cat", SamplingParams(max_tokens=20, temperature=0, stop=(piece,), ignore_eos=True))[0]
@@ -140,3 +141,18 @@ def test_bf16_logits_are_widened_for_all_but_a_plain_argmax():
     assert got == want
     plain = [reqs[3]] * 4
     assert [t for t, _ in sample(logits, plain)] == torch.argmax(logits.float(), dim=-1).tolist()
+
+
+def test_chat_reads_messages_as_the_server_does(llm):
+    """LLM.chat and /v1/chat/completions give a conversation the same prompt: 'developer' is read as
+    'system', content as a list of text parts is joined; a role the server refuses is a sentence."""
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    system = llm.chat([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}], sp)[0]
+    dev = llm.chat([{"role": "developer", "content": "Be terse."},
+                    {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}],
+                   sp)[0]
+    assert dev.prompt_token_ids == system.prompt_token_ids and dev.token_ids == system.token_ids
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.role"):
+        llm.chat([{"role": "bot", "content": "hi"}], sp)
+    with pytest.raises(InvalidRequestError, match="a user message needs content"):
+        llm.chat([{"role": "user"}], sp)

@@ -74,6 +74,26 @@ def test_min_tokens_holds_off_the_stop(srv, tiny_bundle, stream):
     assert completion_tokens(stop_token_ids=[greedy[1]], min_tokens=12) >= 12
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_stop_token_is_cut_from_the_text_and_the_logprobs(srv, tiny_bundle, stream):
+    """As vLLM: the stop_token_ids token that ends a request adds no text and no logprobs entry
+    (usage still counts it)."""
+    from isolab import LLM, SamplingParams
+
+    ids = [5, 6, 7, 8, 9]
+    greedy = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20).generate(
+        ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    k = max(i for i in range(8) if tiny_bundle.tokenizer.decode([greedy[i]]) and greedy[i] not in greedy[:i])
+    r = srv.client().completions.create(model=srv.model, prompt=ids, max_tokens=24, temperature=0, stream=stream,
+                                        logprobs=0, extra_body={"stop_token_ids": [greedy[k]]})
+    text, tokens = "", []
+    for ch in (r if stream else [r]):
+        for choice in ch.choices:
+            text += choice.text
+            tokens += choice.logprobs.tokens if choice.logprobs else []
+    assert text == tiny_bundle.tokenizer.decode(list(greedy[:k])) and len(tokens) == k
+
+
 @pytest.mark.parametrize("field,value", [
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     ("guided_grammar", "root ::= 'a'"), ("grammar", "root ::= 'a'"), ("chat_template", "{{ x }}"),
