@@ -21,7 +21,7 @@ from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
 from isolab.models.tokenizer import Tokenizer
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
-from isolab.server.protocol import Chunk, ChunkChoice, Reply, Usage
+from isolab.server.protocol import Chunk, ChunkChoice, FinalChoice, Reply, Usage
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Choice:
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (vLLM's field)
     error: str | None = None
     error_status: int = 500  # 400 where the request itself made it fail (InvalidRequestError), 503 at shutdown
     error_param: str | None = None  # the field that did, at 400
@@ -42,6 +43,22 @@ class Choice:
     # character still being completed, holds its entries back too)
     held: list[tuple[int, TokenLogprob]] = field(default_factory=list)
     held_from: int = 0  # where the first held entry's token text starts (the last one sent's end)
+
+    def final(self) -> FinalChoice:
+        """The non-streamed choice, with vLLM's stop_reason."""
+        return _with_stop_reason(self.out.final(self.text.sent, self.finish_reason), self)
+
+    def finish_chunks(self) -> list[ChunkChoice]:
+        """A stream's last pieces; the one that carries the finish_reason carries stop_reason too."""
+        pieces = list(self.out.finish(self.finish_reason or "stop"))
+        if pieces:
+            _with_stop_reason(pieces[-1], self)
+        return pieces
+
+
+def _with_stop_reason(choice: Any, c: Choice) -> Any:
+    choice["stop_reason"] = c.stop_reason
+    return choice
 
 
 def _stopped_by_token(o: RequestOutput) -> bool:
@@ -124,6 +141,7 @@ class Call:
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"
+            c.stop_reason = o.stop_reason
             if isinstance(o.error, InvalidRequestError):
                 c.error, c.error_status, c.error_param = str(o.error), 400, o.error.field
             elif isinstance(o.error, RequestAborted):  # the server is shutting down (its drain ran out)
@@ -152,7 +170,7 @@ class Call:
 
     def reply(self) -> Reply:
         return {"id": self.response_id, "object": self.fmt.object, "created": self.created, "model": self.model,
-                "choices": [c.out.final(c.text.sent, c.finish_reason) for c in self.choices], "usage": self.usage()}
+                "choices": [c.final() for c in self.choices], "usage": self.usage()}
 
     def chunk(self, choice: ChunkChoice) -> Chunk:
         out: Chunk = {"id": self.response_id, "object": self.fmt.chunk_object, "created": self.created,

@@ -147,7 +147,9 @@ class CompletionFormat:
 
     def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False,
                tools: ToolPlan | None = None) -> _CompletionChoice:
-        echoed = _Echo(self.tok.decode(prompt), prompt[0]) if echo and prompt else None
+        # the prompt as the model saw it, special tokens written out (<|im_start|>, a BOS the tokenizer
+        # added): the text the logprobs entries and their text_offset walk through
+        echoed = _Echo(self.tok.decode(prompt, skip_special_tokens=False), prompt[0]) if echo and prompt else None
         return _CompletionChoice(index, CompletionLogprobs(self.tok) if logprobs else None, echoed)
 
 

@@ -278,6 +278,7 @@ class CompletionChoice(TypedDict):
     text: str
     logprobs: CompletionLogprobsBody | None
     finish_reason: str | None
+    stop_reason: NotRequired[str | int | None]  # vLLM's: the stop string or stop token that ended it (final)
 
 
 class AssistantMessage(TypedDict):
@@ -291,6 +292,7 @@ class ChatChoice(TypedDict):
     message: AssistantMessage
     logprobs: ChatLogprobsBody | None
     finish_reason: str | None
+    stop_reason: NotRequired[str | int | None]  # vLLM's: the stop string or stop token that ended it (final)
 
 
 class ChatDelta(TypedDict, total=False):
@@ -304,6 +306,7 @@ class ChatChunkChoice(TypedDict):
     delta: ChatDelta
     logprobs: ChatLogprobsBody | None
     finish_reason: str | None
+    stop_reason: NotRequired[str | int | None]  # vLLM's: the stop string or stop token that ended it (final)
 
 
 FinalChoice = CompletionChoice | ChatChoice

@@ -83,7 +83,7 @@ def _events_of(call: Call, o: RequestOutput) -> list[str]:
         return [_sse(error_body(c.error, type=_error_type(c), param=c.error_param, code=_error_code(c)))]
     events = [] if piece is None else [_sse(call.chunk(piece))]
     if c.finish_reason is not None:
-        events.extend(_sse(call.chunk(last)) for last in c.out.finish(c.finish_reason))
+        events.extend(_sse(call.chunk(last)) for last in c.finish_chunks())
     return events
 
 

@@ -157,8 +157,16 @@ def test_stop_string_is_cut_out_streamed_and_not(srv):
     expected = full[: full.find(stop)]
     r = c.completions.create(stop=[stop], **base)
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # vLLM's field: which stop ended it
     texts, reasons, _ = _collect_stream(c.completions.create(stop=[stop], stream=True, **base))
     assert texts[0] == expected and reasons[0] == "stop"
+    last = [ch for ch in c.completions.create(stop=[stop], stream=True, **base) if ch.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert c.completions.create(**base).choices[0].stop_reason is None  # length: no stop
+    chat = c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                     temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert chat.choices[0].stop_reason in (stop, None) and (chat.choices[0].stop_reason is None) == (
+        chat.choices[0].finish_reason == "length")
 
 
 def test_models_and_health(srv):

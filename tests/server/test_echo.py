@@ -97,3 +97,18 @@ def test_max_tokens_0_without_echo_is_a_400(srv, kind):
             c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0)
         else:
             c.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_writes_special_tokens_out(srv, stream):
+    """A prompt with special tokens in it comes back as sent (they were dropped), and every
+    text_offset indexes into the text returned."""
+    prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    r = srv.client().completions.create(model=srv.model, prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                        stream=stream)
+    text, offsets = "", []
+    for ch in (r if stream else [r]):
+        for choice in ch.choices:
+            text += choice.text
+            offsets += choice.logprobs.text_offset if choice.logprobs else []
+    assert text == prompt and offsets and all(0 <= o < len(text) for o in offsets)

@@ -92,6 +92,7 @@ def test_the_stop_token_is_cut_from_the_text_and_the_logprobs(srv, tiny_bundle, 
             text += choice.text
             tokens += choice.logprobs.tokens if choice.logprobs else []
     assert text == tiny_bundle.tokenizer.decode(list(greedy[:k])) and len(tokens) == k
+    assert choice.stop_reason == greedy[k]  # vLLM's field (the last choice seen: the finishing one): the stop token
 
 
 @pytest.mark.parametrize("field,value", [
