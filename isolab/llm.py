@@ -88,7 +88,7 @@ class LLM:
         cache_scope: str | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> list[CompletionOutput]:
-        if not isinstance(prompts, Sequence):
+        if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):  # (bytes: text, not ids)
             raise InvalidRequestError("prompts are text, token ids, or a list of either, not "
                                       f"{type(prompts).__name__}", field="prompt")
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):

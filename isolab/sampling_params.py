@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,26 +79,40 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"SamplingParams.{field} {why}", field=field)
+            return InvalidRequestError(f"{field} {why}", field=field)
 
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+
+        # the forms vLLM and OpenAI take too: None for nothing, one stop string, logit_bias as a dict
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        given: Any = () if self.logit_bias is None else self.logit_bias
+        bias = given.items() if isinstance(given, Mapping) else given
+        for name, value in (("stop", stop), ("stop_token_ids", () if self.stop_token_ids is None else self.stop_token_ids)):
+            try:
+                object.__setattr__(self, name, tuple(value))
+            except TypeError:
+                raise bad(name, f"must be a list, not {value!r}") from None
+        try:
+            object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise bad("logit_bias", "must map token ids to biases: {id: bias} or ((id, bias), ...)") from None
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
             raise bad("max_tokens", f"must be an integer >= 0, not {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or not (0.0 <= float(self.temperature) <= 100.0):
+        if not is_number(self.temperature) or not (0.0 <= float(self.temperature) <= 100.0):
             raise bad("temperature", f"must be a number in [0, 100], not {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not (0.0 <= float(self.top_p) <= 1.0):
+        if not is_number(self.top_p) or not (0.0 <= float(self.top_p) <= 1.0):
             raise bad("top_p", f"must be in [0, 1], not {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), not {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not (0 <= self.seed < 2**63)):
+        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**63)):
             raise bad("seed", f"must be an integer in [0, 2**63), not {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -151,6 +151,11 @@ class LLMEngine:
         vocab = self.bundle.hparams.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            outside = [t for t in ids if t >= vocab]
+            if outside:  # (as the server's 400: a token the model cannot produce is a mistake, not a no-op)
+                raise InvalidRequestError(f"{field} names token {outside[0]}, outside the vocabulary [0, {vocab})",
+                                          field=field)
         n = len(prompt_token_ids)
         if n + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(

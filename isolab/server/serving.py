@@ -142,6 +142,11 @@ class Serving:
                 prompt_logprobs=plan.logprobs if plan.echo else None,  # echo with logprobs scores the prompt
             )
         except InvalidRequestError as exc:
+            sent_max = body.max_tokens if body.max_tokens is not None else getattr(body, "max_completion_tokens", None)
+            if exc.field == "min_tokens" and sent_max is None:  # a limit the client did not send: say whose
+                exc = InvalidRequestError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens, which this "
+                                          f"request leaves to the server's default of {plan.max_tokens}: send max_tokens",
+                                          field="min_tokens")
             raise api_error(exc) from None
 
     def _stop_token_ids(self, ids: list[int] | None) -> tuple[int, ...]:

@@ -20,8 +20,9 @@ def llm(tiny_bundle):
     ("seed", -1), ("logprobs", 99), ("stop", ("",)),
 ])
 def test_invalid_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+    with pytest.raises(ValueError, match=f"^{field} ") as exc:  # the field as a client names it, not our class
         SamplingParams(**{field: value})
+    assert exc.value.field == field
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens(llm):
@@ -156,3 +157,22 @@ def test_chat_reads_messages_as_the_server_does(llm):
         llm.chat([{"role": "bot", "content": "hi"}], sp)
     with pytest.raises(InvalidRequestError, match="a user message needs content"):
         llm.chat([{"role": "user"}], sp)
+
+
+def test_sampling_params_take_the_forms_vllm_takes_and_refuse_the_rest_in_a_sentence(llm):
+    assert SamplingParams(logit_bias={5: 1.0}).logit_bias == ((5, 1.0),)
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+    for kw, field in ((dict(top_k=True), "top_k"), (dict(seed=True), "seed"), (dict(stop=5), "stop"),
+                      (dict(stop_token_ids=3), "stop_token_ids"), (dict(logit_bias=5), "logit_bias"),
+                      (dict(temperature=True), "temperature")):
+        with pytest.raises(InvalidRequestError, match=f"^{field} ") as exc:
+            SamplingParams(**kw)
+        assert exc.value.field == field
+    vocab = llm.engine.bundle.hparams.vocab_size
+    for kw, field in ((dict(stop_token_ids=(vocab,)), "stop_token_ids"), (dict(logit_bias={vocab + 5: 1.0}), "logit_bias")):
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary") as exc:  # as the server's 400
+            llm.generate("the cat", SamplingParams(max_tokens=2, **kw))
+        assert exc.value.field == field
+    with pytest.raises(InvalidRequestError, match="prompts are text"):
+        llm.generate(b"hello")
+    assert not llm.engine.requests  # nothing was left queued

@@ -147,3 +147,15 @@ def test_bad_sampling_values_are_400_naming_the_field(srv, field, value):
 def test_min_tokens_above_max_tokens_is_refused(srv):
     r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2, "min_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_min_tokens_over_the_default_max_tokens_says_whose_limit_it_is(srv):
+    """A chat request without max_tokens gets the server's default; min_tokens above it is a 400 that
+    says so, not one that blames a max_tokens the client never sent."""
+    r = httpx.post(srv.base_url + "/chat/completions", headers={"Authorization": "Bearer sk-alice"},
+                   json={"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "min_tokens": 100000})
+    assert r.status_code == 400 and "server's default" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "min_tokens" and "SamplingParams" not in r.text
+    r = httpx.post(srv.base_url + "/completions", headers={"Authorization": "Bearer sk-alice"},
+                   json={"model": srv.model, "prompt": "hi", "max_tokens": 3, "min_tokens": 10})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "min_tokens (10) must not exceed max_tokens (3)"
