@@ -76,6 +76,7 @@ class Tokenizer:
                                          and i != self.eos_token_id and self._tok.convert_ids_to_tokens(i) == t)
         self.bos_token_id: int | None = self._tok.bos_token_id
         self.vocab_size = len(self._tok)
+        self._skipped: dict[int, bool] = {}  # is_skipped's answers by token id
 
     @property
     def hf(self) -> Any:
@@ -85,6 +86,13 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
+
+    def is_skipped(self, token_id: int) -> bool:
+        """Whether decode() leaves this token out of the text: a special token (EOS, <|im_end|>, <bos>)."""
+        hit = self._skipped.get(token_id)
+        if hit is None:
+            hit = self._skipped[token_id] = self.decode([token_id]) == "" != self.decode([token_id], skip_special_tokens=False)
+        return hit
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._ids(text, add_special_tokens)

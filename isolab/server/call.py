@@ -18,7 +18,6 @@ from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
 from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
-from isolab.models.tokenizer import Tokenizer
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, FinalChoice, Reply, Usage
@@ -65,11 +64,6 @@ def _stopped_by_token(o: RequestOutput) -> bool:
     """Whether the output's last token is a stop_token_ids token that finished the request."""
     return (o.finished and o.finish_reason == "stop" and isinstance(o.stop_reason, int)
             and not isinstance(o.stop_reason, bool) and bool(o.new_token_ids) and o.new_token_ids[-1] == o.stop_reason)
-
-
-def _ends_turn(tok: Tokenizer, token: int) -> bool:
-    """A token that ends a request without being part of its text: EOS or an end-of-turn token."""
-    return token == tok.eos_token_id or token in tok.end_of_turn_ids
 
 
 @dataclass
@@ -137,7 +131,9 @@ class Call:
             # characters before it, e.g. " " then the first bytes of an emoji), that character too
             pending = c.text.pending
             ends = len(c.text.text) + (len(pending.rstrip("\ufffd")) + 1 if pending else 0)
-            c.held.extend((ends, lp) for lp in new_lps)
+            # a special token the text leaves out (EOS, an <|im_end|> under ignore_eos) has no entry, as
+            # OpenAI gives the token that ends the turn none: the entries spell the text
+            c.held.extend((ends, lp) for lp in new_lps if not c.text.tok.is_skipped(lp.token_id))
         if o.finished:
             delta += c.text.finish()
             c.finish_reason = o.finish_reason or "stop"
@@ -161,8 +157,6 @@ class Call:
             if ready:
                 c.held_from = c.held[ready - 1][0]
             del c.held[: len(c.held) if o.finished else ready]
-            if o.finished and o.finish_reason == "stop" and lps and _ends_turn(c.text.tok, lps[-1].token_id):
-                lps = lps[:-1]  # the EOS / end-of-turn token adds no text: no logprobs entry (as OpenAI)
         return c, c.out.delta(delta, lps, o.prompt_logprobs)
 
     def observe_done(self) -> None:

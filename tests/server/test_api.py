@@ -372,6 +372,11 @@ def test_the_token_that_ends_the_turn_has_no_logprobs_entry(srv, tiny_bundle):
     r = c.completions.create(model=srv.model, prompt="hi", max_tokens=8, temperature=0, logprobs=1,
                              logit_bias={str(eos): 100})
     assert r.choices[0].text == "" and r.choices[0].logprobs.tokens == []
+    # under ignore_eos the special token goes on being generated, adding no text: no entries either
+    # (they spelled "<|im_end|>" into the entries while the text stayed empty, text_offset past it)
+    r = c.completions.create(model=srv.model, prompt="hi", max_tokens=3, temperature=0, logprobs=1,
+                             logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "" and r.choices[0].logprobs.tokens == [] and r.usage.completion_tokens == 3
 
 
 def test_a_chunks_logprobs_never_run_ahead_of_its_text(srv):
