@@ -50,7 +50,7 @@ def test_greedy_tokens_and_logits_match_transformers(real_bundle_fp32, hf_model)
             for _ in range(STEPS):
                 nxt = int(step.logits[0, -1].argmax())
                 theirs.append(nxt)
-                step = hf_model(torch.tensor([[nxt]]), past_key_values=step.past_key_values, use_cache=True)
+                step = hf_model(torch.tensor([[nxt]]), cache=step.past_key_values, use_cache=True)
         assert list(out.token_ids) == theirs
         our_logits = real_bundle_fp32.model.reference_logits(prompt)[-1]
         assert (our_logits - hf_logits).abs().max().item() < 1e-3
