@@ -124,6 +124,15 @@ def test_bench_url_refuses_engine_only_options():
     for flag in (["--kv-cache-dtype", "int8"], ["--block-size", "32"], ["--audit"]):
         out = isolab("bench", "--url", "http://127.0.0.1:9", *flag)
         one_sentence(out, f"{flag[0]} sets up an engine, and with --url none runs here")
+    for body in ("[1]", '"x"'):  # JSON, but not an object of fields (a traceback before)
+        one_sentence(isolab("bench", "--url", "http://127.0.0.1:9", "--extra-body", body),
+                     "--extra-body must be a JSON object")
+
+
+def test_bench_without_url_refuses_the_options_that_shape_server_requests():
+    """Without --url they were silently ignored while the engine bench ran (an invalid --extra-body too)."""
+    for flag in (["--extra-body", "{bad"], ["--api-key", "k"], ["--served-model", "m"], ["--no-ignore-eos"]):
+        one_sentence(isolab("bench", "--num-requests", "1", *flag), f"{flag[0]} shapes the requests sent to a server")
 
 
 def test_a_port_in_use_is_one_sentence_before_the_model_loads():

@@ -112,8 +112,10 @@ async def _served_model(session: aiohttp.ClientSession, base: str, headers: dict
     try:
         async with session.get(base + "/v1/models", headers=headers) as r:
             if r.status != 200:
-                text = (await r.read()).decode("utf-8", "replace")
-                raise IsolabError(f"{base}/v1/models answered HTTP {r.status}: {text[:200]}")
+                text = " ".join((await r.read()).decode("utf-8", "replace").split())  # one line, however it came
+                if text.lstrip().lower().startswith(("<!doctype", "<html")):
+                    text = "an HTML page: not an OpenAI-compatible server?"
+                raise IsolabError(f"{base}/v1/models answered HTTP {r.status}: {text[:160]}")
             return str((await r.json(content_type=None))["data"][0]["id"])
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise IsolabError(f"cannot reach {base} ({type(exc).__name__}: {exc})") from None

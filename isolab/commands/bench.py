@@ -84,6 +84,18 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
                                   f"server's command", field=dest)
 
 
+def _refuse_url_flags(args: argparse.Namespace) -> None:
+    """Without --url the engine runs here: the flags that shape requests to a server would be silently
+    ignored, so they are refused in one sentence."""
+    from isolab.errors import InvalidRequestError
+
+    for option, dest, default in (("--api-key", "api_key", None), ("--served-model", "served_model", None),
+                                  ("--no-ignore-eos", "no_ignore_eos", False), ("--extra-body", "extra_body", None)):
+        if getattr(args, dest) != default:
+            raise InvalidRequestError(f"{option} shapes the requests sent to a server: it needs --url (without it "
+                                      "the engine runs in this process)", field=dest)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -108,12 +120,16 @@ def run(args: argparse.Namespace) -> int:
             extra = json.loads(args.extra_body) if args.extra_body else None
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"--extra-body is not JSON ({exc})", field="extra_body") from None
+        if extra is not None and not isinstance(extra, dict):
+            raise InvalidRequestError(f"--extra-body must be a JSON object of request fields, not {args.extra_body}",
+                                      field="extra_body")
         result["server"] = run_http_bench(args.url, args.api_key, args.served_model, wl.prompts, wl.max_tokens,
                                           args.concurrency, ignore_eos=not args.no_ignore_eos, extra_body=extra)
         if result["server"]["completed"] == 0:
             raise IsolabError(f"no request completed against {args.url}: {(result['server']['errors'] or ['?'])[0]}")
         rows = [("server", result["server"])]
     else:
+        _refuse_url_flags(args)
         rows = _engine_runs(args, wl, result)
     table = Table(title=f"isolab bench: {args.num_requests} requests, concurrency {args.concurrency}")
     for col in ("system", "output tok/s", "TTFT p50 / p99 (s)", "ITL p50 / p99 (ms)", "prefix hit rate", "peak RSS (MiB)"):

@@ -178,10 +178,14 @@ def _read_template(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"--chat-template {path!r} cannot be read ({exc.__class__.__name__})",
                                   field="chat_template") from None
+    if not text.strip():  # it would render every conversation as an empty prompt
+        raise InvalidRequestError(f"--chat-template {path!r} is empty: give a Jinja chat template, or leave the "
+                                  "option out for the model's own", field="chat_template")
+    return text
 
 
 class DrainingServer(uvicorn.Server):

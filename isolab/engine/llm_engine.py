@@ -72,7 +72,11 @@ class LLMEngine:
         hp = self.bundle.hparams
         self.tokenizer = self.bundle.tokenizer
         self.model = self.bundle.model
-        self.max_model_len = min(config.max_model_len or hp.context_length, hp.context_length)
+        if config.max_model_len is not None and config.max_model_len > hp.context_length:  # (as vLLM refuses it)
+            raise InvalidRequestError(f"max_model_len {config.max_model_len} is longer than the model's context of "
+                                      f"{hp.context_length} tokens: give at most {hp.context_length}, or leave it out",
+                                      field="max_model_len")
+        self.max_model_len = config.max_model_len or hp.context_length
         cc = config.cache
         if self.model.native_kernels and cc.block_size % kernels.FAST_BLOCK_SIZE:
             log.warning("block_size %d: the native attention kernel's fast paths are built for blocks of a multiple "

@@ -76,9 +76,12 @@ def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegis
                  config: ServerConfig) -> ServerState:
     if config.chat_template is not None:  # a template that cannot render refuses to start, in one sentence
         try:
-            facts.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=config.chat_template)
+            rendered = facts.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=config.chat_template)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"--chat-template: {exc}", field="chat_template") from None
+        if not rendered:  # every chat request would be refused as an empty prompt
+            raise InvalidRequestError("--chat-template renders a conversation as nothing: it must write the messages",
+                                      field="chat_template")
     names = config.served_model_names or facts.default_names
     capacity = facts.num_engines * (facts.max_num_seqs + config.max_queue)
 

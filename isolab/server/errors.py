@@ -61,14 +61,17 @@ def api_error(exc: InvalidRequestError | RequestAborted | EngineUnavailable) -> 
     return ApiError(400, str(exc), param=exc.field, code=code)
 
 
-# pydantic's errors where a value had the wrong kind altogether; any other (a bound, a literal) says more
-_TYPE_MISMATCH = ("_type", "missing")
+# pydantic's errors where a value had the wrong kind altogether; any other (a bound, a literal, a field
+# missing from an object of the right form) says more
+_TYPE_MISMATCH = ("_type",)
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
 def _is_union_tag(part: object) -> bool:
-    """pydantic names the member of a union an error is about in its loc ('str', 'list[int]')."""
-    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS or part.startswith(("function-", "constrained-")))
+    """pydantic names the member of a union an error is about in its loc ('str', 'list[int]', a model's
+    class name: 'NamedToolChoice'; the protocol's own fields are snake_case)."""
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS or part.startswith(("function-", "constrained-"))
+                                      or part[:1].isupper())
 
 
 def validation_error(errors: list[Any]) -> ApiError:

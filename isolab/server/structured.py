@@ -21,7 +21,9 @@ from isolab.server.protocol import BaseRequest
 
 
 def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
-    kind = rf.get("type", "text")
+    if "type" not in rf:  # (OpenAI and vLLM require it)
+        raise ApiError(400, "response_format needs a type: text, json_object or json_schema", param="response_format")
+    kind = rf["type"]
     if kind == "text":
         return None
     if kind == "json_object":

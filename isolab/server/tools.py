@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from isolab.sampling_params import GrammarSpec
 
@@ -35,6 +35,16 @@ class FunctionDef(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A call's arguments are an object (OpenAI): a schema of another type is refused, one that names
+        no type is read as an object's."""
+        if v and "type" in v and v["type"] != "object":
+            raise ValueError(f"parameters must be the JSON Schema of an object ({{\"type\": \"object\", ...}}), "
+                             f"not of type {v['type']!r}: a call's arguments are an object")
+        return {"type": "object", **v} if v else v
 
 
 class ToolSpec(BaseModel):

@@ -176,3 +176,11 @@ def test_sampling_params_take_the_forms_vllm_takes_and_refuse_the_rest_in_a_sent
     with pytest.raises(InvalidRequestError, match="prompts are text"):
         llm.generate(b"hello")
     assert not llm.engine.requests  # nothing was left queued
+
+
+def test_a_max_model_len_beyond_the_models_context_is_refused_in_a_sentence(tiny_bundle):
+    ctx = tiny_bundle.hparams.context_length
+    with pytest.raises(InvalidRequestError, match=f"longer than the model's context of {ctx} tokens") as exc:
+        LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_model_len=ctx + 1)
+    assert exc.value.field == "max_model_len"
+    assert LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_model_len=ctx).engine.max_model_len == ctx

@@ -56,3 +56,7 @@ def test_a_template_that_cannot_render_refuses_to_start(tiny_bundle):
     engine = LLMEngine(build_engine_config(kv_cache_memory=1 << 20), tiny_bundle)
     with pytest.raises(InvalidRequestError, match="--chat-template"):
         create_app(engine, TenantRegistry({}, anonymous=True), ServerConfig(chat_template="{% for m in messages %}"))
+    # one that renders nothing (an empty file) would refuse every chat request as an empty prompt
+    for nothing in ("", "{# nothing #}"):
+        with pytest.raises(InvalidRequestError, match="renders a conversation as nothing"):
+            create_app(engine, TenantRegistry({}, anonymous=True), ServerConfig(chat_template=nothing))

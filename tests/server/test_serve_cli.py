@@ -36,6 +36,10 @@ def test_refuses_an_unreadable_chat_template(tmp_path):
     p = subprocess.run([sys.executable, "-m", "isolab.cli", "serve", "--no-auth", "--chat-template",
                         str(tmp_path / "missing.jinja")], env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--chat-template" in p.stderr and "Traceback" not in p.stderr
+    (tmp_path / "empty.jinja").write_text("\n")
+    p = subprocess.run([sys.executable, "-m", "isolab.cli", "serve", "--no-auth", "--chat-template",
+                        str(tmp_path / "empty.jinja")], env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "is empty" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_refuses_a_bad_keys_file(tmp_path):

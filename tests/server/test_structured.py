@@ -91,6 +91,7 @@ def test_peer_extensions_are_honoured(srv, body, check, path):
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {}}, "response_format"),  # no type (it was read as text: a 200)
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),

@@ -111,6 +111,11 @@ def test_auto_reads_a_call_the_model_writes():
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    # a call's arguments are an object: under required they came back as text, no tool call
+    ({"tools": [{"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "echo", "parameters": {"type": "array"}}}]},
+     "tools.0.function.parameters"),
 ])
 def test_bad_tool_requests_are_400(srv, body, param):
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 4, **body})
