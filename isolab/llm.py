@@ -175,9 +175,7 @@ class LLM:
         """The output's text as the server returns it: a stop string (counted from min_tokens on, as the
         engine stops) and what follows it cut, and a stop_token_ids token that ended it (as vLLM);
         token_ids and logprobs keep every generated token."""
-        ids = o.output_token_ids
-        if o.finish_reason == "stop" and isinstance(o.stop_reason, int) and ids and ids[-1] == o.stop_reason:
-            ids = ids[:-1]
+        ids = o.output_token_ids[:-1] if o.stopped_by_token else o.output_token_ids
         if not sp.stop:
             return self.tokenizer.decode(ids)
         detok = Detokenizer(self.tokenizer, sp.stop, sp.min_tokens)

@@ -224,3 +224,22 @@ def test_a_build_error_counts_as_the_caches_only_on_or_above_its_folder(monkeypa
                      (tmp_path / "elsewhere" / "g++", False), (None, False)):
         exc = OSError(errno.EACCES, "Permission denied", None if at is None else str(at))
         assert kernels.cache_unwritable(exc) is ours, at
+
+
+def test_bench_url_against_a_web_page_says_so_in_one_line(tmp_path):
+    """A server that answers /v1/models with an HTML page (not an OpenAI-compatible one): one line
+    naming it, not the page."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        out = isolab("bench", "--url", f"http://127.0.0.1:{web.server_address[1]}", "--num-requests", "1",
+                     "--concurrency", "1", "--output-len", "2")
+    finally:
+        web.shutdown()
+    one_sentence(out, "answered HTTP 404: an HTML page")
+    assert "<html" not in out.stderr.lower()

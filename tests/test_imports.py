@@ -51,3 +51,14 @@ def test_engine_modules_import_alone():
     for n in names:
         r = subprocess.run([sys.executable, "-c", code, n], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{n} does not import alone:\n{r.stderr[-2000:]}"
+
+
+def test_the_request_schema_imports_without_the_web_stack():
+    """LLM.chat reads messages with isolab.server.protocol: importing it loads no FastAPI or uvicorn
+    (isolab.server's names load on first use); `from isolab.server import create_app` still works."""
+    code = ("import sys, isolab.server.protocol\n"
+            "assert not {'fastapi', 'uvicorn', 'isolab.server.app'} & set(sys.modules), sorted(sys.modules)\n"
+            "from isolab.server import ServerConfig, create_app\n"
+            "assert 'fastapi' in sys.modules and callable(create_app) and ServerConfig\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

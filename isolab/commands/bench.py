@@ -79,7 +79,9 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
     ignored, so it is refused in one sentence (it belongs on the server's command line)."""
     from isolab.errors import InvalidRequestError
 
-    for option, dest in engine_flags_set(args)[:1]:
+    found = engine_flags_set(args)
+    if found:
+        option, dest = found[0]
         raise InvalidRequestError(f"{option} sets up an engine, and with --url none runs here: give it to the "
                                   f"server's command", field=dest)
 

@@ -71,11 +71,7 @@ def _run(args: argparse.Namespace, bundle: ModelBundle) -> int:
     from isolab.faults import FAULTS
 
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 150)  # piped: the names whole
-    from isolab.models import invariance
-
-    hp = bundle.hparams  # the engines' verdict: with the int8 pool's attention when that is the pool
-    numerics = invariance.with_kv_pool(bundle.model.numerics, args.kv_cache_dtype, bundle.model.device,
-                                       (hp.num_heads, hp.num_kv_heads, hp.head_dim), bundle.model.native_kernels)
+    numerics = bundle.engine_numerics(args.kv_cache_dtype)  # the engines' verdict (the int8 pool's attention too)
     console.print(f"numerics: {numerics.summary()}")
     pool = "" if args.kv_cache_dtype == "auto" else f", K/V pool {args.kv_cache_dtype}"
     table = Table(title=f"isolab selftest on {bundle.name} ({args.dtype}{pool})")

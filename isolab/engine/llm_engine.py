@@ -36,7 +36,6 @@ from isolab.engine.sampler import make_generator
 from isolab.engine.scheduler import Scheduler
 from isolab.engine.step import SchedulerOutput
 from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError
-from isolab.models import invariance
 from isolab.models.bundle import ModelBundle, load_bundle
 from isolab.sampling_params import SamplingParams
 
@@ -57,6 +56,13 @@ class RequestOutput:
     error: IsolabError | None = None
     # params.prompt_logprobs only, on the request's first output: entry i is prompt token i + 1's
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @property
+    def stopped_by_token(self) -> bool:
+        """Whether a stop_token_ids token ended the request: its last token, which the text leaves out
+        (as vLLM; the server and LLM.generate cut it)."""
+        return (self.finished and self.finish_reason == "stop" and isinstance(self.stop_reason, int)
+                and not isinstance(self.stop_reason, bool) and self.output_token_ids[-1:] == (self.stop_reason,))
 
 
 class LLMEngine:
@@ -100,8 +106,7 @@ class LLMEngine:
         self.storage = KVStorage(hp, num_blocks, cc.block_size, kv_dtype, self.model.device, self.kv_groups)
         # the start-up check's verdict for this engine: the model's, with the int8 pool's attention
         # checked too when the pool is 8-bit (/health, the doctor and selftest read this)
-        self.numerics = invariance.with_kv_pool(self.model.numerics, cc.kv_cache_dtype, self.model.device,
-                                                (hp.num_heads, hp.num_kv_heads, hp.head_dim), self.model.native_kernels)
+        self.numerics = self.bundle.engine_numerics(cc.kv_cache_dtype)
         self.pool = BlockPool(
             num_blocks,
             storage=self.storage,

@@ -15,7 +15,9 @@ import torch
 
 from isolab import kernels
 from isolab.errors import InvalidRequestError
+from isolab.models import invariance
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, load_gguf
+from isolab.models.invariance import InvarianceReport
 from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
 from isolab.models.locate import resolve_model_path
@@ -42,6 +44,13 @@ class ModelBundle:
         """What besides the file shapes a cached block's K/V (prefix-cache keys): numerics_key, and how
         the pool stores K/V (an int8 pool's block holds other values than a bf16 pool's)."""
         return self.numerics_key + ("/kv-int8" if kv_cache_dtype == "int8" else "")
+
+    def engine_numerics(self, kv_cache_dtype: str = "auto") -> InvarianceReport:
+        """The start-up check's verdict for an engine on this model: the model's, with attention over
+        the int8 pool checked too when that is the pool (invariance.with_kv_pool)."""
+        hp = self.hparams
+        return invariance.with_kv_pool(self.model.numerics, kv_cache_dtype, self.model.device,
+                                       (hp.num_heads, hp.num_kv_heads, hp.head_dim), self.model.native_kernels)
 
 
 def pick_device(device: str | None) -> torch.device:

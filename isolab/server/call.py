@@ -60,12 +60,6 @@ def _with_stop_reason(choice: Any, c: Choice) -> Any:
     return choice
 
 
-def _stopped_by_token(o: RequestOutput) -> bool:
-    """Whether the output's last token is a stop_token_ids token that finished the request."""
-    return (o.finished and o.finish_reason == "stop" and isinstance(o.stop_reason, int)
-            and not isinstance(o.stop_reason, bool) and bool(o.new_token_ids) and o.new_token_ids[-1] == o.stop_reason)
-
-
 @dataclass
 class Call:
     # Mutable: choices fill in as outputs arrive; `done` once its clean-up has run.
@@ -124,7 +118,7 @@ class Call:
             c.num_tokens += len(o.new_token_ids)
             self.metrics.generation_tokens.inc(len(o.new_token_ids))
             ids, new_lps = o.new_token_ids, o.new_logprobs
-            if _stopped_by_token(o):  # the stop token is cut as a stop string is (vLLM): no text, no entry
+            if o.stopped_by_token:  # the stop token is cut as a stop string is (vLLM): no text, no entry
                 ids, new_lps = ids[:-1], new_lps[: len(ids) - 1]
             delta = c.text.push(ids)
             # the text its token completes: with a character still open (a pending that may hold whole

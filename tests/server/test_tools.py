@@ -58,6 +58,19 @@ def test_required_calls_one_of_the_tools(srv, parallel):
         assert len(m.message.tool_calls) == 1
 
 
+def test_a_parameters_schema_without_a_type_is_read_as_an_objects(srv):
+    """A schema naming no type would let the grammar write arguments of any JSON type, which no call
+    can carry (they came back as text): it is read as an object's, so the named call parses."""
+    untyped = {k: v for k, v in TIME.items() if k != "type"}
+    r = srv.client().chat.completions.create(
+        model=srv.model, messages=MSG, max_tokens=300, seed=3, parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": "get_time", "parameters": untyped}}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    m = r.choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.tool_calls[0].function.name == "get_time"
+    assert isinstance(json.loads(m.message.tool_calls[0].function.arguments), dict)
+
+
 def test_streamed_tool_calls_equal_the_reply(srv):
     kw = dict(model=srv.model, messages=MSG, tools=TOOLS, max_tokens=200, seed=5, temperature=0.8,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -116,6 +129,8 @@ def test_auto_reads_a_call_the_model_writes():
       "tool_choice": "required"}, "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "echo", "parameters": {"type": "array"}}}]},
      "tools.0.function.parameters"),
+    # an object missing its function: named as such, not as a wrong literal of the string form
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
 ])
 def test_bad_tool_requests_are_400(srv, body, param):
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 4, **body})
