@@ -29,9 +29,10 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32,128,256")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
+    ap.add_argument("--weights", default="auto", choices=("auto", "native", "dense"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    bundle = load_bundle(None, args.dtype)
+    bundle = load_bundle(None, args.dtype, weights=args.weights)
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         # the defaults a user gets (the K/V pool's dtype as asked)
@@ -46,7 +47,8 @@ def main() -> int:
               f"preemptions {r['preemptions']}", flush=True)
     kv = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
     out = Path(args.out or Path(__file__).parent / "results" / f"concurrency_{args.dtype}{kv}.json")
-    out.write_text(json.dumps({"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "weights": bundle.weights,
+                               "numerics": bundle.model.numerics.numerics, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

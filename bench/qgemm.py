@@ -13,6 +13,12 @@ dequantized), one pass through the layers' four GEMMs in order, so each weight c
 in a decode step, at M = 1, 32 and 128: best of 5 passes, ms and GB/s of weights read; beside it the
 same GEMMs hot in cache (each of the first layer's, repeated back to back) times the layers.
 
+--blocks: the layers' GEMMs (every layer's, one pass in order, so each weight comes from memory as in
+a decode step) at M = 1, 8, 32, 128 and 512, three ways taking turns: the quantized GEMM (--weights
+native), the dense bf16 GEMM on bf16 panels, and the same dense GEMM on the weights kept in their
+GGUF blocks (kernels/qdense.cpp, what --weights dense runs where the tile unit does; its bits are
+checked against the panels'); median ms of 9 passes each, and the bytes each reads.
+
 --order-ab: instead, the quantized GEMM alone at M = 1, 32, 128 and 512: its default (big weights
 group by group, the next task's panels prefetched) against chunk by chunk with no prefetch
 (kernels.qgemm_order), calls alternating, median ms of each. Here each weight is hot in cache
@@ -51,8 +57,11 @@ def main() -> int:
     ap.add_argument("--order-ab", action="store_true")
     ap.add_argument("--tiles-ab", action="store_true")
     ap.add_argument("--dense-stream", action="store_true")
+    ap.add_argument("--blocks", action="store_true")
     args = ap.parse_args()
     m = load_bundle(args.model, "bf16", weights="native").model
+    if args.blocks:
+        return blocks(m, args.model, Path(args.json or "bench/results/dense_blocks.json"))
     if args.dense_stream:
         return dense_stream(m, args.model, Path(args.json or "bench/results/dense_stream.json"))
     if args.order_ab:
@@ -176,6 +185,88 @@ def dense_stream(m, model: str | None, target: Path) -> int:
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")
     return 0
+
+
+def blocks(m, model: str | None, target: Path) -> int:
+    import numpy as np
+
+    from isolab.kernels import quant
+
+    if kernels.qdense_isa() != "amx":
+        print(f"dense weights stay in blocks only where the tile unit runs; this CPU's path is {kernels.qdense_isa()!r}")
+        return 0
+    triples = []  # (native weight, bf16 panels, blocks run, K)
+    for layer in m.layers:
+        for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+            if not isinstance(w, QuantWeight):
+                continue
+            k = w.packed.shape[1] * 32
+            vals = w_dense(w)
+            u = quant.Unpacked(w.fmt, *_integers(w), qtype=w.qtype)
+            rows = quant.pack_rows(u)
+            assert np.array_equal(quant.dequantize_rows(quant.pack(u), w.fmt, w.fp16, np.arange(w.n), k), vals)
+            triples.append((w, kernels.pack_weight(torch.from_numpy(vals).to(torch.bfloat16)),
+                            kernels.qdense_bound(rows, w.fmt, w.fp16, w.n), k))
+    nbytes = {"native": sum(w.packed.numel() for w, *_ in triples), "panels": sum(p.numel() * 2 for _, p, *_ in triples)}
+    nbytes["blocks"] = nbytes["native"]
+    kinds = {
+        "native": lambda t, x: t[0](x),
+        "panels": lambda t, x: kernels.gemm(x, t[1], t[0].n),
+        "blocks": lambda t, x: t[2](x),
+    }
+    rows_out = []
+    for mm in (1, 8, 32, 128, 512):
+        xs = {k: torch.randn(mm, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for *_, k in triples}
+        for t in triples[:4]:  # the same bits as the panels (and the start-up check's own comparison)
+            assert torch.equal(t[2](xs[t[3]]).view(torch.int16), kernels.gemm(xs[t[3]], t[1], t[0].n).view(torch.int16))
+
+        def one_pass(kind: str, xs=xs) -> float:
+            f = kinds[kind]
+            t0 = time.perf_counter()
+            for t in triples:
+                f(t, xs[t[3]])
+            return (time.perf_counter() - t0) * 1e3
+
+        ms: dict[str, list[float]] = {k: [] for k in kinds}
+        for kind in kinds:
+            one_pass(kind)
+        for _ in range(9):
+            for kind in kinds:
+                ms[kind].append(one_pass(kind))
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        rows_out.append({"m": mm, **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+                         "blocks_over_panels": round(med["panels"] / med["blocks"], 3),
+                         "blocks_over_native": round(med["native"] / med["blocks"], 3)})
+        print(f"M={mm:<4d} native {med['native']:8.2f} ms   dense panels {med['panels']:8.2f} ms   dense blocks "
+              f"{med['blocks']:8.2f} ms   (blocks {med['panels'] / med['blocks']:.2f}x panels, "
+              f"{med['native'] / med['blocks']:.2f}x native)", flush=True)
+    out = {"model": str(model or "smollm2-135m-instruct"), "threads": torch.get_num_threads(),
+           "gemm_isa": kernels.gemm_isa(), "qgemm_isa": kernels.qgemm_isa(), "qdense_isa": kernels.qdense_isa(),
+           "layers_weight_mb": {k: round(v / 1e6, 1) for k, v in nbytes.items()}, "passes": 9, "rows": rows_out}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1))
+    print(f"wrote {target}")
+    return 0
+
+
+def _integers(w: QuantWeight):
+    """A u4 weight's integers and scales, read back from its records: (q (N, K), d, mn)."""
+    import numpy as np
+
+    from isolab.kernels import quant
+
+    assert w.fmt == quant.U4, "--blocks reads u4 layers (SmolLM2's Q4_1)"
+    rec = w.packed.numpy()  # (panels, nb, record)
+    p, nb, _ = rec.shape
+    chunks = rec[:, :, :256].reshape(p, nb, 4, quant.PANEL, 4)  # (panel, b, chunk, j, byte i)
+    q = np.empty((p, quant.PANEL, nb, 4, 8), np.uint8)
+    q[..., :4] = (chunks & 15).transpose(0, 3, 1, 2, 4)  # k = 8c + i
+    q[..., 4:] = (chunks >> 4).transpose(0, 3, 1, 2, 4)  # k = 8c + 4 + i
+    sdt, sb = (np.float16, 32) if w.fp16 else (np.float32, 64)
+    scales = rec[:, :, 256:256 + 2 * sb].copy().view(sdt).reshape(p, nb, 2, quant.PANEL).transpose(2, 0, 3, 1)
+    n = w.n
+    return (q.reshape(p * quant.PANEL, nb * 32)[:n], scales[0].reshape(-1, nb)[:n].copy(),
+            scales[1].reshape(-1, nb)[:n].copy())
 
 
 def w_dense(w: QuantWeight):

@@ -43,7 +43,8 @@ from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp", "forward.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "pointwise.cpp", "gemm.cpp", "qgemm.cpp",
+                                                      "qdense.cpp", "forward.cpp"))
 # the kernels' run-time settings (isolab_<name>(int)): none changes a bit, each is for an A/B or a test
 SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order",
             "qgemm_tile_rows")
@@ -173,6 +174,12 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = args
     lib.isolab_qgemm.restype = None
     lib.isolab_qgemm.argtypes = [ptr, i32, i64, ptr, i32, i32, ptr, i32, i32, i32, i32]
+    lib.isolab_qdense.restype = None
+    lib.isolab_qdense.argtypes = [ptr, i64, ptr, i32, i32, ptr, i32, i32, i32]
+    lib.isolab_qdense_record.restype = None
+    lib.isolab_qdense_record.argtypes = [ptr, i32, i32, ptr, i32]
+    lib.isolab_qdense_isa.restype = ctypes.c_char_p
+    lib.isolab_qdense_isa.argtypes = []
     lib.isolab_quantize_rows.restype = None
     lib.isolab_quantize_rows.argtypes = [ptr, i32, i64, i32, i32, ptr, ptr, ptr]
     for suffix in ("bf16", "fp32"):
@@ -504,6 +511,44 @@ def qgemm_bound(packed: torch.Tensor, fmt: int, fp16: bool, n: int, out_dtype: t
         return out
 
     return run
+
+
+def qdense_bound(packed: torch.Tensor, fmt: int, fp16: bool, n: int):
+    """qdense.cpp (records laid out by quant.pack_rows, the dense bf16 GEMM's bits) with the
+    weight's arguments bound once: bf16 (M, K) -> bf16 (M, n)."""
+    lib = _library()
+    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
+    call, wp, k = lib.isolab_qdense, packed.data_ptr(), packed.shape[1] * 32
+    bf16 = torch.bfloat16
+
+    def run(x: torch.Tensor, _records: torch.Tensor = packed) -> torch.Tensor:  # (M, K) -> (M, n); holds the records
+        if x.stride(1) != 1 or x.shape[1] != k or x.dtype != bf16:
+            raise ValueError(f"qdense wants (M, {k}) bf16 rows with unit stride, not {tuple(x.shape)} {x.dtype}")
+        m = x.shape[0]
+        out = torch.empty(m, n, dtype=bf16)
+        if m:
+            call(x.data_ptr(), x.stride(0), wp, fmt, fp16, out.data_ptr(), m, n, k)
+        return out
+
+    return run
+
+
+def qdense_record(record: torch.Tensor, fmt: int, fp16: bool, scalar: bool = False) -> torch.Tensor:
+    """One record of quant.pack_rows -> its (16 columns, 32 k's) bf16 weights, by the kernel's
+    vector path (or its scalar definition): for the tests."""
+    lib = _library()
+    assert lib is not None and record.dtype == torch.uint8 and record.is_contiguous()
+    out = torch.empty(16, 32, dtype=torch.bfloat16)
+    lib.isolab_qdense_record(record.data_ptr(), fmt, int(fp16), out.data_ptr(), int(scalar))
+    return out
+
+
+def qdense_isa() -> str:
+    """Which code path --weights native-bf16 runs: amx (each block dequantized to a bf16 tile right
+    before the tile unit takes it) or panels (blocks dequantized into gemm.cpp's bf16 panels)."""
+    lib = _library()
+    assert lib is not None
+    return lib.isolab_qdense_isa().decode()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ extern "C" {
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,
                   int M, int N, int K);
 void isolab_gemm_bf16(const uint16_t* A, long lda, const uint16_t* W, uint16_t* out, int M, int N, int K);
+void isolab_qdense(const uint16_t* A, long lda, const uint8_t* W, int fmt, int fp16, uint16_t* out, int M, int N, int K);
 void isolab_gemm_fp32(const float* A, long lda, const float* W, float* out, int M, int N, int K);
 void isolab_rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int N, int D, float eps);
 void isolab_rms_norm_fp32(const float* x, const float* w, float* out, int N, int D, float eps);
@@ -41,8 +42,8 @@ namespace {
 
 // One linear layer's weight (isolab/kernels/__init__.py: FusedLinear mirrors it).
 struct Linear {
-    const void* w;  // qgemm records, or the dense GEMM's packed panels
-    int32_t quant;  // 1: qgemm (fmt, fp16), 0: the dense isolab GEMM
+    const void* w;  // qgemm records, the dense GEMM's packed panels, or qdense records
+    int32_t quant;  // 1: qgemm (fmt, fp16), 0: the dense isolab GEMM, 2: qdense (fmt, fp16; bf16 only)
     int32_t fmt;
     int32_t fp16;
     int32_t n;
@@ -64,7 +65,12 @@ inline void silu(const uint16_t* g, uint16_t* o, int N, int I) { isolab_silu_mul
 inline void silu(const float* g, float* o, int N, int I) { isolab_silu_mul_fp32(g, o, N, I); }
 inline void rope(uint16_t* q, const void* c, const void* s, const int64_t* p, int N, int h, int st, int Dh) { isolab_rope_bf16(q, (const uint16_t*)c, (const uint16_t*)s, p, N, h, st, Dh); }
 inline void rope(float* q, const void* c, const void* s, const int64_t* p, int N, int h, int st, int Dh) { isolab_rope_fp32(q, (const float*)c, (const float*)s, p, N, h, st, Dh); }
-inline void dense(const uint16_t* a, const Linear& l, uint16_t* o, int M) { isolab_gemm_bf16(a, l.k, (const uint16_t*)l.w, o, M, l.n, l.k); }
+inline void dense(const uint16_t* a, const Linear& l, uint16_t* o, int M) {
+    if (l.quant == 2)
+        isolab_qdense(a, l.k, (const uint8_t*)l.w, l.fmt, l.fp16, o, M, l.n, l.k);
+    else
+        isolab_gemm_bf16(a, l.k, (const uint16_t*)l.w, o, M, l.n, l.k);
+}
 inline void dense(const float* a, const Linear& l, float* o, int M) { isolab_gemm_fp32(a, l.k, (const float*)l.w, o, M, l.n, l.k); }
 // i8: the layer's pool is the int8 one (kp; vp unused)
 inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, long qs, const int64_t* slots, void* kp,
@@ -103,7 +109,7 @@ struct Timer {  // times one op of the forward if profiling is on
 
 template <typename T>
 void linear(const T* a, const Linear& l, T* out, int M) {  // (M, k) @ W^T -> (M, n), rows contiguous
-    if (l.quant)
+    if (l.quant == 1)
         isolab_qgemm(a, sizeof(T) == 2, l.k, (const uint8_t*)l.w, l.fmt, l.fp16, out, sizeof(T) == 2, M, l.n, l.k);
     else
         dense(a, l, out, M);

@@ -256,15 +256,6 @@ static inline void store_out(O* out, long ldo, const float* acc, int rows, int n
 // part of the invariance check's key. Needs K % 32 == 0; other shapes keep the fma chain at every M.
 
 // tmm0-3: C (16 rows x 16 fp32); tmm4-5: A (16 rows x 32 bf16); tmm6-7: B (16 k-pairs x 16 columns x 2)
-static void amx_configure() {
-    TileConfig c{};
-    c.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
 
 // Rows 0..16*RB-1 of a (row stride lda elements) times panels p0, p0 + 1 of W (32 columns), all of
 // K, into c (16*RB rows x 32 fp32). A bf16 panel (K/2, 16, 2) is K/32 B tiles one after another.
@@ -315,7 +306,7 @@ static void gemm_amx(const uint16_t* A, long lda, const uint16_t* W, uint16_t* o
     }
 #pragma omp parallel
     {
-        amx_configure();  // tile configuration is per thread
+        amx_configure_gemm();  // tile configuration is per thread
         alignas(64) float c[MB * NB];
         // work items: (32 columns, 32 rows), columns outer so a thread reuses one slice of W
         // across the row blocks it takes; each output element belongs to exactly one item

@@ -13,6 +13,7 @@ Other types (F32, F16, BF16, Q5_1, Q5_K, ...) are not in this list: their layers
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,6 +149,27 @@ def pack(u: Unpacked) -> torch.Tensor:
         rec[..., at:at + b.shape[-1]] = b
         at += b.shape[-1]
     assert at == rec.shape[-1]
+    return torch.from_numpy(rec)
+
+
+def pack_rows(u: Unpacked) -> torch.Tensor:
+    """-> uint8 (panels, K/32, record) as qdense.cpp reads it (--weights native-bf16): per panel of 16
+    columns and block of 32 k's, each column's integers together (u4: byte i = q[i] | q[i + 16] << 4,
+    the GGUF's own Q4 layout; s8: 32 int8), then the scales as pack lays them out. The same size as
+    pack's records; N padded to 16 with zero records."""
+    n, k = u.q.shape
+    nb, p = k // QK, -(-n // PANEL)
+    pad = p * PANEL - n
+    fp16 = u.d.dtype == np.float16
+    rec = np.empty((p, nb, record_bytes(u.fmt, fp16)), np.uint8)
+    q = np.concatenate([u.q, np.zeros((pad, k), u.q.dtype)]) if pad else u.q
+    q = q.reshape(p, PANEL, nb, QK).transpose(0, 2, 1, 3)  # (panel, b, j, 32 k's)
+    if u.fmt == U4:
+        rec[..., :256] = (q[..., :16] | (q[..., 16:] << 4)).reshape(p, nb, 256)
+    else:
+        rec[..., :512] = q.view(np.uint8).reshape(p, nb, 512)
+    body = 256 if u.fmt == U4 else 512
+    rec[..., body:] = pack(dataclasses.replace(u, q=np.zeros((n, k), u.q.dtype))).numpy()[..., body:]
     return torch.from_numpy(rec)
 
 

@@ -90,6 +90,7 @@ static inline v16f vexp(v16f x) {
 // Whether this process may use AMX tiles: Linux hands the tile state to a process only on request
 // (arch_prctl, Linux 5.16+). False in a build without AMX. One answer per kernel file, cached.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 // The tile configuration LDTILECFG reads (palette 1): per tile, its rows and bytes a row.
@@ -109,6 +110,16 @@ static inline bool amx_ready() {
         return (mask & (1ul << XFEATURE_XTILEDATA)) != 0;
     }();
     return ok;
+}
+// The GEMMs' configuration (gemm.cpp, qdense.cpp): all 8 tiles 16 rows of 64 bytes. Per thread.
+static inline void amx_configure_gemm() {
+    TileConfig c{};
+    c.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
 }
 #else
 static inline bool amx_ready() { return false; }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,10 +98,16 @@ def resolve_weights(weights: str, device: torch.device) -> str:
     return "native" if device.type == "cpu" and kernels.native_ready() else "dense"
 
 
+def dense_blocks() -> bool:
+    """Whether dense bf16 weights may stay in their GGUF blocks where the tile unit runs
+    (LlamaModel's dense_blocks; the same bits either way): ISOLAB_DENSE_BLOCKS=0 keeps bf16 panels."""
+    return os.environ.get("ISOLAB_DENSE_BLOCKS", "1") != "0"
+
+
 @functools.lru_cache(maxsize=4)
-def _load(path: str, dtype: str, device: str, gemm: GemmPath | None, weights: str) -> ModelBundle:
+def _load(path: str, dtype: str, device: str, gemm: GemmPath | None, weights: str, blocks: bool = True) -> ModelBundle:
     loaded = load_gguf(path)
-    model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm, weights=weights)
+    model = LlamaModel(loaded, dtype=dtype, device=device, gemm=gemm, weights=weights, dense_blocks=blocks)
     loaded.release_pages()  # the weights now live in the model's own memory
     tokenizer = Tokenizer(Path(path), loaded.fingerprint, family_template(loaded.hparams.arch))
     trim_heap()
@@ -122,4 +129,4 @@ def load_bundle(model: str | Path | None, dtype: str = "bf16", device: str | Non
     if gemm == "isolab" and not kernels.native_ready():
         raise InvalidRequestError("gemm isolab needs isolab's native kernels, which are not built here "
                                   "(ISOLAB_NATIVE=0, or no C++ compiler: the warning above says which)", field="gemm")
-    return _load(str(path), dtype, str(dev), gemm, resolve_weights(weights, dev))
+    return _load(str(path), dtype, str(dev), gemm, resolve_weights(weights, dev), dense_blocks())

@@ -25,12 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from isolab import kernels
 from isolab.kernels import quant
 from isolab.models.attention import attention_core, gather_kv_i8, i8_pool_shape, write_kv, write_kv_i8
-from isolab.models.linear import GEMM_PATHS, GemmPath, QuantWeight, Weight, path_applies
+from isolab.models.linear import GEMM_PATHS, BlockWeight, GemmPath, QuantWeight, Weight, path_applies
 from isolab.paths import user_cache
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class InvarianceReport:
     quant_shapes: tuple[str, ...] = ()
     qgemm_isa: str | None = None
     dense_gemms: bool = True  # whether any GEMM runs dense (on gemm_path)
+    # dense bf16 GEMMs whose weights stay in GGUF blocks (kernels/qdense.cpp), "u4/fp16 960x576": their
+    # M check and their bits against the dense GEMM on the same weights ("dense" key) are in
+    # gemm_mismatches under "blocks u4/fp16 960x576"; empty where they do not run
+    block_shapes: tuple[str, ...] = ()
 
     @property
     def weights(self) -> str:
@@ -79,6 +84,8 @@ class InvarianceReport:
     def numerics(self) -> str:
         """One line for /health, logs and reports: e.g. 'isolab-gemm/amx + native/amx attention'."""
         g = f"{self.gemm_path}-gemm" + (f"/{self.kernel_isa}" if self.gemm_path == "isolab" and self.kernel_isa else "")
+        if self.block_shapes:
+            g += f" on {', '.join(sorted({s.split()[0] for s in self.block_shapes}))} blocks"
         if self.quant_shapes:
             q = f"q-gemm/{self.qgemm_isa} ({', '.join(sorted({s.split()[0] for s in self.quant_shapes}))})"
             g = f"{q} + {g}" if self.dense_gemms else q
@@ -239,10 +246,14 @@ def _key(parts: dict) -> str:
 
 def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
           heads: tuple[int, int, int], native_attention: bool, *, use_cache: bool = True,
-          quant_shapes: list[tuple[str, int, int]] = (), quant_native: bool = False) -> InvarianceReport:  # type: ignore[assignment]
+          quant_shapes: list[tuple[str, int, int]] = (), quant_native: bool = False,  # type: ignore[assignment]
+          block_shapes: list[tuple[str, int, int]] = ()) -> InvarianceReport:  # type: ignore[assignment]
     """Measure one GEMM path on `shapes` [(N, K)], the quantized GEMM on `quant_shapes` [(format
     label, N, K)] (qgemm.cpp where quant_native, else its torch reference) and the attention path
-    on heads (H, Hkv, Dh)."""
+    on heads (H, Hkv, Dh). block_shapes [(format label, N, K)]: dense GEMMs that can run on their
+    GGUF blocks (qdense.cpp); checked on the isolab path only (other paths do not run them), for
+    M-invariance and for the dense GEMM's bits on the same weights."""
+    block_shapes = sorted(set(block_shapes)) if path == "isolab" and dtype == torch.bfloat16 else []
     dname = "bf16" if dtype == torch.bfloat16 else "fp32"
     kernel_isa = kernels.gemm_isa() if native_attention or path == "isolab" else None
     qisa = (kernels.qgemm_isa() if quant_native else "torch") if quant_shapes else None
@@ -253,6 +264,8 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         "shapes": sorted(shapes), "heads": list(heads), "attention": native_attention,
         "threads": torch.get_num_threads(), "quant": [list(q) for q in sorted(quant_shapes)], "qisa": qisa,
     }
+    if block_shapes:  # (absent otherwise, so verdicts from before the blocks stay valid)
+        parts["blocks"] = [list(b) for b in block_shapes]
     target = cache_root() / f"{_key(parts)}.json"
     if use_cache and target.exists():
         try:
@@ -260,6 +273,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
             data.pop("numerics", None)
             data["rejected"] = tuple(data.get("rejected", ()))
             data["quant_shapes"] = tuple(data.get("quant_shapes", ()))
+            data["block_shapes"] = tuple(data.get("block_shapes", ()))
             return InvarianceReport(**{**data, "cached": True})
         except (OSError, ValueError, TypeError):
             pass  # a damaged entry is measured again
@@ -276,6 +290,15 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
             qw = QuantWeight(quant.random_unpacked(fmt, n, k, label.endswith("fp16"), seed=n + k), device, quant_native,
                              split_k=path == "split-k")
             gm[f"{label} {n}x{k}"] = gemm_mismatches(qw, n, k, dtype, device)
+        for label, n, k in block_shapes:
+            fmt = next(f for f, name in quant.FORMAT_NAMES.items() if label.startswith(name + "/"))
+            u = quant.random_unpacked(fmt, n, k, label.endswith("fp16"), seed=n + k)
+            bw = BlockWeight.from_unpacked(u)
+            per = gemm_mismatches(bw, n, k, dtype, device)
+            x = torch.randn(min(n, 64), k, generator=torch.Generator().manual_seed(n + k)).to(dtype)
+            values = quant.dequantize_rows(quant.pack(u), fmt, label.endswith("fp16"), np.arange(n), k)  # the GGUF's
+            per["dense"] = int((bw(x) != Weight(torch.from_numpy(values).to(dtype), path)(x)).sum())
+            gm[f"blocks {label} {n}x{k}"] = per
         am = attention_mismatches(dtype, device, *heads, native=native_attention)
     ok = all(v == 0 for per in gm.values() for v in per.values()) and all(v == 0 for v in am.values())
     report = InvarianceReport(
@@ -284,7 +307,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         seconds=round(time.perf_counter() - t0, 3), env=_env(),
         attention_isa=kernels.attention_isa() if native_attention and dname == "bf16" else None,
         quant_shapes=tuple(f"{label} {n}x{k}" for label, n, k in sorted(set(quant_shapes))), qgemm_isa=qisa,
-        dense_gemms=bool(shapes),
+        dense_gemms=bool(shapes), block_shapes=tuple(f"{label} {n}x{k}" for label, n, k in block_shapes),
     )
     if use_cache:
         try:
@@ -299,7 +322,7 @@ def check(path: GemmPath, shapes: list[tuple[int, int]], dtype: torch.dtype, dev
 
 def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device, heads: tuple[int, int, int],
            native: bool, forced: GemmPath | None = None, quant_shapes: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
-           quant_native: bool = False) -> InvarianceReport:
+           quant_native: bool = False, block_shapes: list[tuple[str, int, int]] = ()) -> InvarianceReport:  # type: ignore[assignment]
     """The first GEMM path (models/linear.py: GEMM_PATHS) that applies here and whose GEMMs pass the
     check, with its report (whose verdict covers attention too: no GEMM path mends attention). `forced`: check that path only and keep it whatever the verdict (the
     --gemm option, and the batch-variant-gemm fault). None passing: the first that applies, with
@@ -308,7 +331,8 @@ def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.devi
     rejected: list[str] = []
     first: InvarianceReport | None = None
     for path in candidates:
-        report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes, quant_native=quant_native)
+        report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes, quant_native=quant_native,
+                       block_shapes=block_shapes)
         first = first or report
         if report.gemm_ok or forced:
             report = dataclasses.replace(report, rejected=tuple(rejected))

@@ -20,6 +20,7 @@ The engine's isolation proof needs a row's bits to be the same whatever else is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -160,6 +161,34 @@ class QuantWeight:
         return quant.qgemm_ref(x, self.ref, out)
 
 
+class BlockWeight:
+    """A dense bf16 layer's weight kept in its GGUF blocks (kernels/qdense.cpp, records laid out by
+    quant.pack_rows): each block is dequantized to bf16 right before the tile unit multiplies it,
+    so the product is the dense isolab GEMM's on the weights `--weights dense` packs, bit for bit,
+    read from 0.6 byte a weight (Q4_1) instead of 2. Where the tile unit runs (kernels.qdense_isa()
+    == "amx"); elsewhere a dense model keeps its bf16 panels."""
+
+    __slots__ = ("n", "fmt", "fp16", "qtype", "packed", "_run")
+    path = "isolab"  # its numerics: the dense isolab GEMM's
+
+    def __init__(self, packed: torch.Tensor, n: int, fmt: int, fp16: bool, qtype: str) -> None:
+        self.n, self.fmt, self.fp16, self.qtype = n, fmt, fp16, qtype
+        self.packed = packed  # uint8 (N/16, K/32, record): quant.pack_rows
+        self._run = kernels.qdense_bound(packed, fmt, fp16, n)
+
+    @classmethod
+    def from_unpacked(cls, u: quant.Unpacked) -> BlockWeight:
+        return cls(quant.pack_rows(u), u.q.shape[0], u.fmt, u.d.dtype == np.float16, u.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: bf16 (M, K) -> bf16 (M, N)."""
+        return self._run(x if x.stride(1) == 1 else x.contiguous())
+
+
 class StackedWeight:
     """Weights whose formats cannot share one GEMM (u4 beside s8), run one after another and
     concatenated along N."""
@@ -167,7 +196,7 @@ class StackedWeight:
     __slots__ = ("parts", "n")
     path = "quant"
 
-    def __init__(self, parts: list[Weight | QuantWeight]) -> None:
+    def __init__(self, parts: Sequence[Weight | QuantWeight | BlockWeight]) -> None:
         self.parts = parts
         self.n = sum(p.n for p in parts)
 

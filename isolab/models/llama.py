@@ -28,10 +28,10 @@ from isolab.kernels import quant
 from isolab.models import gemma3, invariance, qwen
 from isolab.models.attention import KEY_PAD, attention_core, rope_tables
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
-from isolab.models.linear import GemmPath, QuantWeight, StackedWeight, Weight, path_applies
+from isolab.models.linear import BlockWeight, GemmPath, QuantWeight, StackedWeight, Weight, path_applies
 from isolab.models.weight_cache import WeightCache
 
-Linear = Weight | QuantWeight | StackedWeight
+Linear = Weight | QuantWeight | BlockWeight | StackedWeight
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -162,7 +162,8 @@ class LlamaModel:
     """Weights plus the forward; stateless between calls (all K/V lives in the backend)."""
 
     def __init__(self, loaded: LoadedGGUF, dtype: str = "bf16", device: str | torch.device = "cpu",
-                 native: bool | None = None, gemm: GemmPath | None = None, weights: str = "dense") -> None:
+                 native: bool | None = None, gemm: GemmPath | None = None, weights: str = "dense",
+                 dense_blocks: bool = True) -> None:
         """dtype: activations and K/V. native: run isolab's native kernels (None: wherever they
         build and apply; False: torch ops). gemm: the dense GEMM path (None: the first that passes
         the invariance check here; a name: that path, checked and reported but kept whatever the
@@ -170,7 +171,10 @@ class LlamaModel:
         (kernels/qgemm.cpp; tensors of other types run dense), "dense" dequantizes every weight to
         `dtype` (the fp32 dense path is the bit-exact reference of the golden tests). Where the
         native kernels run, the packed weights (native records, bf16 panels) are mapped from
-        models/weight_cache.py's files (self.weight_cache says what it did)."""
+        models/weight_cache.py's files (self.weight_cache says what it did). dense_blocks: where bf16
+        GEMMs run dense on the tile unit, keep quantized weights in their GGUF blocks and dequantize
+        each block as the tile unit takes it (kernels/qdense.cpp: the panels' bits, a third of the
+        bytes); False keeps bf16 panels."""
         hp = loaded.hparams
         self.hp = hp
         self.dtype = TORCH_DTYPES[dtype]
@@ -190,23 +194,33 @@ class LlamaModel:
                              for names in (["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"],
                                            ["ffn_down"])]
         # the GEMMs that run on GGUF blocks, by record format and shape, and those that run dense
+        # (block_shapes: dense bf16 GEMMs whose weights can stay in their blocks, kernels/qdense.cpp)
         quant_shapes: set[tuple[str, int, int]] = set()
         dense_shapes: set[tuple[int, int]] = set()
+        block_shapes: set[tuple[str, int, int]] = set()
+        blocks = (self.dtype == torch.bfloat16 and self.device.type == "cpu" and can and native is not False
+                  and kernels.native_ready() and kernels.qdense_isa() == "amx"
+                  and dense_blocks and gemm in (None, "isolab"))
         for names in stacks:
             k = loaded.raw[names[0]].shape[-1]
-            if weights == "native" and _native_format(loaded, names):
-                for fmt, fp16, idx in quant.plan([loaded.raw[n].qtype for n in names]):
-                    quant_shapes.add((quant.format_label(fmt, fp16), sum(loaded.raw[names[i]].shape[0] for i in idx), k))
+            groups = [(fmt, fp16, sum(loaded.raw[names[i]].shape[0] for i in idx))
+                      for fmt, fp16, idx in quant.plan([loaded.raw[n].qtype for n in names])] \
+                if _native_format(loaded, names) else []
+            if weights == "native" and groups:
+                quant_shapes.update((quant.format_label(fmt, fp16), n, k) for fmt, fp16, n in groups)
             else:
                 dense_shapes.add((sum(loaded.raw[n].shape[0] for n in names), k))
+                if blocks and groups:
+                    block_shapes.update((quant.format_label(fmt, fp16), n, k) for fmt, fp16, n in groups)
         if self.dtype == torch.bfloat16 and any(k % 2 for _, k in dense_shapes) and gemm is None:
             gemm = "onednn" if path_applies("onednn", self.device, self.dtype, False) else "fixed-tile"
         on_blocks = self.native_kernels and kernels.native_ready()  # qgemm.cpp; else the torch reference
         # What the proof stands on: measured here, on these shapes (cached per machine and shape).
         self.numerics = invariance.choose(sorted(dense_shapes), self.dtype, self.device, (H, Hkv, Dh),
                                           self.native_kernels, forced=gemm, quant_shapes=sorted(quant_shapes),
-                                          quant_native=on_blocks)
+                                          quant_native=on_blocks, block_shapes=sorted(block_shapes))
         path: GemmPath = self.numerics.gemm_path  # type: ignore[assignment]
+        blocks = bool(self.numerics.block_shapes)  # the check ran them (on the isolab path) and kept them
 
         def w(name: str) -> torch.Tensor:
             if hp.gemma and name.endswith("norm.weight"):  # gemma multiplies by its norm weights in fp32
@@ -227,11 +241,13 @@ class LlamaModel:
         self.weight_cache = cache
         dense_cache = cache if self.dtype == torch.bfloat16 and path == "isolab" else None
 
-        def dense(names: list[str]) -> Weight:
+        def dense(names: list[str]) -> Weight | BlockWeight | StackedWeight:
             def full() -> torch.Tensor:
                 return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
 
             n, k = sum(loaded.raw[x].shape[0] for x in names), loaded.raw[names[0]].shape[-1]
+            if blocks and _native_format(loaded, names):  # the blocks, multiplied as the panels would be
+                return in_blocks(names)
             if dense_cache is None or k % 2:  # (bf16 panels need an even K)
                 return Weight(full(), path)
             packed = dense_cache.records(f"{'+'.join(names)}.bf16", kernels.packed_shape(n, k, self.dtype),
@@ -240,6 +256,25 @@ class LlamaModel:
 
         def pack(names: list[str]) -> torch.Tensor:
             return quant.pack(quant.concat(unpack(names)))
+
+        def pack_rows(names: list[str]) -> torch.Tensor:
+            return quant.pack_rows(quant.concat(unpack(names)))
+
+        def in_blocks(names: list[str]) -> BlockWeight | StackedWeight:
+            k = loaded.raw[names[0]].shape[-1]
+            ws: list[BlockWeight] = []
+            for fmt, fp16, idx in quant.plan([loaded.raw[n].qtype for n in names]):  # as concat stacks them
+                sub = [names[i] for i in idx]
+                n = sum(loaded.raw[x].shape[0] for x in sub)
+                qtype = "+".join(sorted({loaded.raw[x].qtype for x in sub}))
+                if cache is None:
+                    ws.append(BlockWeight.from_unpacked(quant.concat(unpack(sub))))
+                    continue
+                shape = (-(-n // quant.PANEL), k // quant.QK, quant.record_bytes(fmt, fp16))
+                packed = cache.records("+".join(sub) + ".rows", shape,
+                                       functools.partial(pack_rows, sub))
+                ws.append(BlockWeight(packed, n, fmt, fp16, qtype))
+            return ws[0] if len(ws) == 1 else StackedWeight(ws)
 
         def cached(names: list[str], out_dtype: torch.dtype | None) -> QuantWeight | StackedWeight:
             assert cache is not None
@@ -254,7 +289,7 @@ class LlamaModel:
                 ws.append(QuantWeight.from_records(packed, n, fmt, fp16, qtype, out_dtype))
             return ws[0] if len(ws) == 1 else StackedWeight(ws)  # type: ignore[return-value]
 
-        def linear(names: list[str], out_dtype: torch.dtype | None = None) -> Weight | QuantWeight | StackedWeight:
+        def linear(names: list[str], out_dtype: torch.dtype | None = None) -> Linear:
             if not _native_format(loaded, names) or weights != "native":
                 return dense(names)
             if cache is not None:
@@ -346,6 +381,8 @@ class LlamaModel:
         def desc(w: Linear) -> kernels.FusedLinear | None:
             if isinstance(w, QuantWeight) and w.packed is not None and w.big_batch is None and w.out_dtype is None:
                 return kernels.FusedLinear(w.packed.data_ptr(), 1, w.fmt, int(w.fp16), w.n, w.packed.shape[1] * quant.QK)
+            if isinstance(w, BlockWeight):
+                return kernels.FusedLinear(w.packed.data_ptr(), 2, w.fmt, int(w.fp16), w.n, w.packed.shape[1] * quant.QK)
             if isinstance(w, Weight) and w.path == "isolab":
                 k = w.data.shape[1] * (2 if w.data.dtype == torch.bfloat16 else 1)
                 return kernels.FusedLinear(w.data.data_ptr(), 0, 0, 0, w.n, k)

@@ -138,11 +138,12 @@ def test_the_fault_that_needs_dense_weights_packs_in_memory(q4_path, tmp_path, m
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_bf16_dense_panels_and_the_embedding_table_are_cached_too(q4_path, tmp_path, monkeypatch, dtype):
+    # (bf16 panels: on a CPU with AMX, dense weights would otherwise stay in their blocks, test_dense_blocks.py)
     monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", "off")
-    plain = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense")
+    plain = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense", dense_blocks=False)
     monkeypatch.setenv("ISOLAB_WEIGHT_CACHE", str(tmp_path))
-    first = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense")
-    second = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense")
+    first = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense", dense_blocks=False)
+    second = LlamaModel(load_gguf(q4_path), dtype, "cpu", weights="dense", dense_blocks=False)
     linears = 1 + 4 * len(plain.layers)
     cached = linears + 1 if dtype == "bf16" else 0  # and the table; fp32 (the reference) stays in memory
     assert first.weight_cache.writes == cached and second.weight_cache.hits == cached

@@ -1,0 +1,81 @@
+"""`--weights dense` in bf16 where the tile unit runs keeps the quantized weights in their GGUF
+blocks (kernels/qdense.cpp, models/linear.py: BlockWeight) and multiplies them as the dense GEMM
+multiplies its bf16 panels: the same tokens and logprobs, bit for bit, from a third of the bytes.
+ISOLAB_DENSE_BLOCKS=0 keeps the panels (what these tests compare against)."""
+
+from __future__ import annotations
+
+import pytest
+
+from isolab import kernels
+from isolab.models.linear import BlockWeight, StackedWeight, Weight
+
+pytestmark = pytest.mark.skipif(not kernels.native_ready() or kernels.qdense_isa() != "amx",
+                                reason="dense weights stay in blocks only where the tile unit runs")
+
+PROMPTS = ["The capital of France is", "def fib(n):", "Write a haiku about the sea, and then explain it."]
+
+
+@pytest.fixture(scope="module")
+def q4_path(tmp_path_factory):
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tinyq") / "tiny-q4_1.gguf", TinySpec(layers=2, seed=3, qtype="Q4_1"))
+
+
+def _run(model: str | None, monkeypatch, blocks: bool, n: int = 24):
+    from isolab import LLM, SamplingParams
+
+    monkeypatch.setenv("ISOLAB_DENSE_BLOCKS", "1" if blocks else "0")
+    llm = LLM(model=model, weights="dense", dtype="bf16")
+    m = llm.engine.bundle.model
+    kinds = {type(p) for w in m.linears() for p in (w.parts if isinstance(w, StackedWeight) else [w])}
+    report = m.numerics
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0, logprobs=3, ignore_eos=True))
+    seeded = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=n, temperature=1.0, seed=11, logprobs=2))
+    return kinds, report, [(o.token_ids, o.logprobs) for o in outs + seeded]
+
+
+def _same(model: str | None, monkeypatch) -> None:
+    kinds, report, got = _run(model, monkeypatch, blocks=True)
+    assert kinds == {BlockWeight}, kinds
+    assert report.invariant and report.block_shapes and "blocks" in report.numerics
+    checked = {k: v for k, v in report.gemm_mismatches.items() if k.startswith("blocks ")}
+    assert checked and all(v["dense"] == 0 and not any(v.values()) for v in checked.values()), checked
+    kinds, report, want = _run(model, monkeypatch, blocks=False)
+    assert kinds == {Weight} and not report.block_shapes
+    assert got == want  # tokens and logprobs (their floats compared exactly)
+
+
+def test_tiny_q4_1_dense_blocks_give_the_panels_bits(q4_path, monkeypatch):
+    _same(str(q4_path), monkeypatch)
+
+
+@pytest.mark.real
+def test_real_model_dense_blocks_give_the_panels_bits(monkeypatch):
+    _same(None, monkeypatch)
+
+
+@pytest.mark.real
+def test_gemma3_dense_blocks_give_the_panels_bits(monkeypatch):
+    """Gemma 3 270M's Q4_K_M file: u4 records with fp32 scales, Q6_K's s8 groups of 16 and a Q8_0
+    head, some of them stacked side by side; its per-op forward."""
+    _same("gemma3-270m", monkeypatch)
+
+
+def test_blocks_are_mapped_from_the_weight_cache(q4_path):
+    """The records are packed once into the weight cache (a `.rows` file per weight) and mapped by
+    every start after that."""
+    from pathlib import Path
+
+    from isolab.models.gguf_loader import load_gguf
+    from isolab.models.llama import LlamaModel
+
+    LlamaModel(load_gguf(q4_path), "bf16", weights="dense")  # (packs them, if no earlier test did)
+    m = LlamaModel(load_gguf(q4_path), "bf16", weights="dense")
+    cache = m.weight_cache
+    assert cache is not None and cache.dir is not None and cache.hits and not cache.writes
+    rows = sorted(cache.dir.glob("*.rows.bin"))
+    assert len(rows) == 1 + 4 * m.hp.num_layers, rows  # the head and each layer's four GEMMs
+    maps = Path("/proc/self/maps").read_text()
+    assert all(str(p) in maps for p in rows)
