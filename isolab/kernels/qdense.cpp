@@ -79,12 +79,7 @@ static inline float scale_of(const uint8_t* p, int i, int fp16) {
     std::memcpy(&f, p + 4 * i, 4);
     return f;
 }
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN (torch's rule)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+static inline uint16_t f32_to_bf16(float f) { return (uint16_t)bf16_bits(f); }  // simd.h: torch's rounding
 
 // Weight (column j, k = 32 b + i) of a record, as bf16: the definition, one value at a time.
 static inline uint16_t weight(const uint8_t* rec, int fmt, int fp16, int j, int i) {
