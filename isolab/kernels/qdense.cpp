@@ -206,7 +206,7 @@ static inline void transpose16(__m512i r[16]) {
 static void gemm_amx(const uint16_t* A, long lda, const uint8_t* R, int fmt, int fp16, uint16_t* out, int M, int N,
                      int K) {
     constexpr int MB = 32, NB = 32;  // rows and columns per work item
-    const int nb = K / QK, rb = record_bytes(fmt, fp16);
+    const int nb = K / QK, rb = record_bytes(fmt, fp16), panels = (N + QP - 1) / QP;
     const int items_n = (N + NB - 1) / NB, blocks_m = (M + MB - 1) / MB;
     const int blocks16 = (M + 15) / 16 + 1;  // + a block of zeros for a last item of 16 rows or fewer
     // A as B tiles: (blocks of 16 rows, K/32, 16 k pairs, 16 rows, 2), zero rows past M
@@ -248,6 +248,7 @@ static void gemm_amx(const uint16_t* A, long lda, const uint8_t* R, int fmt, int
                 }
                 const uint8_t* r0 = R + (long)(2 * t) * nb * rb;
                 const uint8_t* r1 = r0 + (long)nb * rb;
+                const bool second = 2 * t + 1 < panels;  // (the last item of an odd panel count has one)
                 // The item's weights, block by block of k, dequantized right before their tile
                 // instructions, so the vector units work on the next block while the tile unit
                 // multiplies this one: into one of two small buffers when the item is the only row
@@ -257,17 +258,19 @@ static void gemm_amx(const uint16_t* A, long lda, const uint8_t* R, int fmt, int
                     uint16_t* buf = wt + (blocks_m == 1 ? (kb & 1) : kb) * 1024L;
                     if (fresh) {
                         record_rows(r0 + (long)kb * rb, fmt, fp16, buf);
-                        record_rows(r1 + (long)kb * rb, fmt, fp16, buf + 512);
+                        if (second) record_rows(r1 + (long)kb * rb, fmt, fp16, buf + 512);
                     }
                     _tile_loadd(4, buf, 64);
-                    _tile_loadd(5, buf + 512, 64);
                     _tile_loadd(6, a0 + (long)kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 5, 6);
+                    if (second) {
+                        _tile_loadd(5, buf + 512, 64);
+                        _tile_dpbf16ps(1, 5, 6);
+                    }
                     if (two) {
                         _tile_loadd(7, a1 + (long)kb * 512, 64);
                         _tile_dpbf16ps(2, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
+                        if (second) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 if (blocks_m > 1) have = t;

@@ -113,3 +113,35 @@ def test_every_isa_level_gives_its_dense_gemms_bits():
 def test_the_path_named():
     assert kernels.qdense_isa() in ("amx", "panels")
     assert kernels.qdense_isa() == ("amx" if kernels.gemm_isa() == "amx" else "panels")
+
+
+GUARD_SCRIPT = """
+import ctypes, mmap, sys, numpy as np, torch
+from isolab import kernels
+from isolab.kernels import quant as Q
+n, k = int(sys.argv[1]), int(sys.argv[2])
+u = Q.random_unpacked(Q.U4, n, k, True, seed=5)
+rec = Q.pack_rows(u).numpy()
+page = mmap.PAGESIZE
+size = -(-rec.nbytes // page) * page
+buf = mmap.mmap(-1, size + page)  # the records end exactly where a page no one may read begins
+libc = ctypes.CDLL(None)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+assert libc.mprotect(ctypes.c_void_p(base + size), page, 0) == 0  # PROT_NONE
+arr = np.frombuffer(buf, np.uint8, rec.nbytes, size - rec.nbytes).reshape(rec.shape)
+arr[...] = rec
+records = torch.from_numpy(arr)
+x = torch.randn(40, k).to(torch.bfloat16)
+panels = kernels.pack_weight(torch.from_numpy(Q.dequantize_rows(Q.pack(u), Q.U4, True, np.arange(n), k)).to(torch.bfloat16))
+out = kernels.qdense_bound(records, Q.U4, True, n)(x)
+assert torch.equal(out.view(torch.int16), kernels.gemm(x, panels, n).view(torch.int16))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("n", [16, 40, 48, 80])
+def test_no_read_past_the_records(n):
+    """An odd number of 16-column panels: the last work item (32 columns) has one panel, and nothing
+    past it is read (the records end at a page no one may read; a read past them is a crash)."""
+    out = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, str(n), "64"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-1500:])
