@@ -29,7 +29,7 @@ from isolab.engine import model_runner
 from isolab.engine.llm_engine import LLMEngine
 from isolab.engine.model_runner import ModelRunner, PagedAttention
 from isolab.engine.scheduler import Scheduler
-from isolab.models.linear import QuantWeight, Weight
+from isolab.models.linear import BlockWeight, QuantWeight, Weight
 
 ROW_OPS = ("rms_norm", "rms_norm_gemma", "add_rms_norm_", "silu_mul", "rope_")
 TOP_PHASES = ("schedule", "prepare", "attention", "row_ops", "sample", "update")
@@ -73,7 +73,8 @@ class StepProfiler:
         self._wrap(ModelRunner, "prepare", "prepare")
         self._wrap(PagedAttention, "attend", "attention")
         self._wrap(model_runner, "sample", "sample")
-        for cls in (Weight, QuantWeight):  # dense and quantized weights (a StackedWeight calls its parts)
+        # dense, quantized, and dense on blocks (a StackedWeight calls its parts)
+        for cls in (Weight, QuantWeight, BlockWeight):
             self._wrap(cls, "__call__", lambda w, *_: "gemm." + self._weight_names.get(id(w), "other"))
         for name in ROW_OPS:
             if hasattr(kernels, name):
