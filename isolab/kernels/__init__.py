@@ -518,6 +518,10 @@ def qdense_bound(packed: torch.Tensor, fmt: int, fp16: bool, n: int):
     weight's arguments bound once: bf16 (M, K) -> bf16 (M, n)."""
     lib = _library()
     assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous()
+    from isolab.kernels import quant
+
+    # the kernel reads ceil(n/16) panels of K/32 records of this format's size: nothing else
+    assert packed.dim() == 3 and packed.shape[0] == -(-n // 16) and packed.shape[2] == quant.record_bytes(fmt, fp16)
     call, wp, k = lib.isolab_qdense, packed.data_ptr(), packed.shape[1] * 32
     bf16 = torch.bfloat16
 
@@ -544,7 +548,7 @@ def qdense_record(record: torch.Tensor, fmt: int, fp16: bool, scalar: bool = Fal
 
 
 def qdense_isa() -> str:
-    """Which code path --weights native-bf16 runs: amx (each block dequantized to a bf16 tile right
+    """Which code path qdense.cpp runs (--weights dense's blocks): amx (each block dequantized to a bf16 tile right
     before the tile unit takes it) or panels (blocks dequantized into gemm.cpp's bf16 panels)."""
     lib = _library()
     assert lib is not None

@@ -71,6 +71,7 @@ inline void dense(const uint16_t* a, const Linear& l, uint16_t* o, int M) {
     else
         isolab_gemm_bf16(a, l.k, (const uint16_t*)l.w, o, M, l.n, l.k);
 }
+// (fp32 never gets quant == 2: dense weights stay in blocks only in bf16, models/llama.py)
 inline void dense(const float* a, const Linear& l, float* o, int M) { isolab_gemm_fp32(a, l.k, (const float*)l.w, o, M, l.n, l.k); }
 // i8: the layer's pool is the int8 one (kp; vp unused)
 inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, long qs, const int64_t* slots, void* kp,

@@ -1,4 +1,4 @@
-// isolab's GEMM on quantized records with the dense bf16 GEMM's numerics (--weights native-bf16):
+// isolab's GEMM on quantized records with the dense bf16 GEMM's numerics (--weights dense on AMX):
 // out (M, N) = A (M, K) @ W^T in bf16, W kept in GGUF-style blocks (0.6 byte a weight for Q4_1),
 // each block turned into bf16 weights on the fly, right before the tile unit multiplies it.
 //
@@ -340,9 +340,11 @@ extern "C" {
 // "amx" where the tile unit runs (the dequantized tiles go straight to it), else "panels" (gemm.cpp on
 // dequantized panels)
 const char* isolab_qdense_isa() { return use_amx() ? "amx" : "panels"; }
-// A: (M, K) bf16 rows with stride lda (elements); W: records (see above) of N columns; out: (M, N) bf16
+// A: (M, K) bf16 rows with stride lda (elements); W: records (see above) of N columns, K % 32 == 0 (a
+// record's k's: kernels.qdense_bound passes K = 32 x the records a panel); out: (M, N) bf16
 void isolab_qdense(const uint16_t* A, long lda, const uint8_t* W, int fmt, int fp16, uint16_t* out, int M, int N, int K) {
     if (M <= 0 || N <= 0) return;
+    if (K % QK) std::abort();  // (no caller can: K comes from the records' count)
     if (use_amx())
         gemm_amx(A, lda, W, fmt, fp16, out, M, N, K);
     else

@@ -153,7 +153,7 @@ def pack(u: Unpacked) -> torch.Tensor:
 
 
 def pack_rows(u: Unpacked) -> torch.Tensor:
-    """-> uint8 (panels, K/32, record) as qdense.cpp reads it (--weights native-bf16): per panel of 16
+    """-> uint8 (panels, K/32, record) as qdense.cpp reads it (--weights dense on AMX): per panel of 16
     columns and block of 32 k's, each column's integers together (u4: byte i = q[i] | q[i + 16] << 4,
     the GGUF's own Q4 layout; s8: 32 int8), then the scales as pack lays them out. The same size as
     pack's records; N padded to 16 with zero records."""

@@ -145,3 +145,35 @@ def test_no_read_past_the_records(n):
     past it is read (the records end at a page no one may read; a read past them is a crash)."""
     out = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, str(n), "64"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-1500:])
+
+
+@pytest.mark.parametrize("qtype", Q.NATIVE_TYPES)
+def test_against_gguf_own_dequantization(qtype):
+    """Real GGUF blocks of each native type (gguf's quantizer, or random valid K-quant blocks): the
+    kernel's weights are gguf.quants.dequantize's cast to bf16, what the dense path packs. (Q4_0's
+    records hold mn = -8 d, so a weight of q = 8 is +0 where gguf's d (q - 8) is -0 for d < 0: a sum
+    from +0 cannot tell them apart, so the GEMM's bits agree; the weights are compared with that
+    sign left out.)"""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tests.kernels.test_qgemm import _gguf_tensor
+
+    n, k = 32, 512
+    raw = _gguf_tensor(qtype, n, k, seed=2)
+    u = Q.unpack_gguf(raw, qtype, (n, k))
+    fmt, fp16 = Q.RECORD_FORMATS[qtype]
+    if u.fmt != fmt:  # (u4 beside s8 never: each type has one format)
+        pytest.fail(f"{qtype}: {u.fmt} against {fmt}")
+    rows = Q.pack_rows(u)
+    got = torch.cat([torch.cat([kernels.qdense_record(rows[p, b].contiguous(), fmt, u.d.dtype == np.float16)
+                                for b in range(k // 32)], dim=1) for p in range(n // 16)])
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)).to(torch.bfloat16)
+    g, w = got.view(torch.int16), want.view(torch.int16)
+    if qtype == "Q4_0":
+        g, w = g & 0x7FFF, w & 0x7FFF  # (the sign of zero, above)
+        assert torch.equal(got == 0, want == 0)
+    assert torch.equal(g, w)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = kernels.qdense_bound(rows, fmt, u.d.dtype == np.float16, n)(x)
+    assert torch.equal(out.view(torch.int16), kernels.gemm(x, kernels.pack_weight(want), n).view(torch.int16))
