@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from isolab.models.linear import GemmPath
 from isolab.models.llama import LlamaModel
 from isolab.models.locate import resolve_model_path
 from isolab.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,15 @@ def resolve_weights(weights: str, device: torch.device) -> str:
 
 def dense_blocks() -> bool:
     """Whether dense bf16 weights may stay in their GGUF blocks where the tile unit runs
-    (LlamaModel's dense_blocks; the same bits either way): ISOLAB_DENSE_BLOCKS=0 keeps bf16 panels."""
-    return os.environ.get("ISOLAB_DENSE_BLOCKS", "1") != "0"
+    (LlamaModel's dense_blocks; the same bits either way): ISOLAB_DENSE_BLOCKS=0 (or off, false, no)
+    keeps bf16 panels; a value it cannot read keeps the default, with a warning."""
+    value = os.environ.get("ISOLAB_DENSE_BLOCKS", "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value not in ("", "1", "on", "true", "yes"):
+        log.warning("ISOLAB_DENSE_BLOCKS=%r is not 0/1/off/on/false/true/no/yes: dense weights stay in their "
+                    "blocks (the default)", value)
+    return True
 
 
 @functools.lru_cache(maxsize=4)

@@ -79,3 +79,14 @@ def test_blocks_are_mapped_from_the_weight_cache(q4_path):
     assert len(rows) == 1 + 4 * m.hp.num_layers, rows  # the head and each layer's four GEMMs
     maps = Path("/proc/self/maps").read_text()
     assert all(str(p) in maps for p in rows)
+
+
+@pytest.mark.parametrize("value,on", [("", True), ("1", True), ("on", True), ("TRUE", True), ("0", False),
+                                      ("off", False), ("False", False), ("no", False), ("garbage", True)])
+def test_the_switch_reads_as_a_user_writes_it(monkeypatch, caplog, value, on):
+    from isolab.models.bundle import dense_blocks
+
+    monkeypatch.setenv("ISOLAB_DENSE_BLOCKS", value)
+    with caplog.at_level("WARNING"):
+        assert dense_blocks() is on
+    assert ("ISOLAB_DENSE_BLOCKS" in caplog.text) == (value == "garbage")  # a value it cannot read: said so
