@@ -27,7 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activations and K/V (bf16)")
     g.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="native: multiply on the GGUF's quantized blocks (isolab/kernels/qgemm.cpp); dense: "
-                        "dequantize to --dtype (the bit-exact reference); auto: native where isolab's kernels run")
+                        "dequantize to --dtype (the bit-exact reference in fp32; in bf16 on a CPU with AMX the "
+                        "blocks are dequantized tile by tile, the same bits, and under load faster than native); "
+                        "auto: native where isolab's kernels run")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--gemm", choices=GEMMS, default=None,
                    help="the GEMM path (default: the first that passes the start-up invariance check: isolab's own "
