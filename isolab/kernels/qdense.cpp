@@ -4,10 +4,10 @@
 //
 // What it computes (the definition): exactly what gemm.cpp computes on the weights that
 // `--weights dense` packs, so the same bits as `--weights dense` on every CPU:
-//   1. w[n][k] = bf16(fp32 value): u4  fl(d q + mn) (d q is exact: an fp16 or fp32 scale times 4 bits),
-//      s8 fl(d q), rounded to nearest even, NaN kept NaN (torch's rule); that is the GGUF's own
-//      dequantization (gguf.quants: d * q + m, one rounding per operation) cast to bf16, which is
-//      what the dense path packs;
+//   1. w[n][k] = bf16(fp32 value): u4 fl(fl(d q) + mn), s8 fl(d q), one rounding an operation (d q is
+//      exact for fp16 scales and the K-quants' fp32 products of fp16 numbers), then rounded to nearest
+//      even, NaN kept NaN (torch's rule); that is the GGUF's own dequantization (gguf.quants: d * q + m)
+//      cast to bf16, which is what the dense path packs;
 //   2. out[m][n] = gemm.cpp's chain over those weights. On a CPU with AMX (K % 32 == 0 always holds
 //      for records): C = 0, then one TDPBF16PS per 32-wide chunk of k, in order. Here the tile unit
 //      gets the weights as its A operand (16 columns x 32 k's, a record's block as it is laid out)
@@ -15,7 +15,8 @@
 //      sum of the same products in the same chunk order (tested bit for bit against gemm.cpp's
 //      amx_block, which takes the operands the other way round). Elsewhere a chunk of columns is
 //      dequantized into gemm.cpp's bf16 panels and gemm.cpp runs on them (the same function, so
-//      the same bits; slower: a CPU without AMX runs --weights native).
+//      the same bits; slower than panels read from memory, so a dense model without AMX keeps its
+//      panels: this path is for the tests, at every ISA level, and any other caller).
 // A row's bits depend on that row and W alone: not on M, the neighbours or the thread count.
 //
 // Layout (isolab/kernels/quant.py: pack_rows): columns in panels of 16; per panel, per block of 32
