@@ -188,43 +188,43 @@ def dense_stream(m, model: str | None, target: Path) -> int:
 
 
 def blocks(m, model: str | None, target: Path) -> int:
-    import numpy as np
-
-    from isolab.kernels import quant
+    from isolab.models.gguf_loader import load_gguf
+    from isolab.models.linear import BlockWeight
+    from isolab.models.llama import LlamaModel
+    from isolab.models.locate import resolve_model_path
 
     if kernels.qdense_isa() != "amx":
         print(f"dense weights stay in blocks only where the tile unit runs; this CPU's path is {kernels.qdense_isa()!r}")
         return 0
-    triples = []  # (native weight, bf16 panels, blocks run, K)
-    for layer in m.layers:
-        for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-            if not isinstance(w, QuantWeight):
-                continue
-            k = w.packed.shape[1] * 32
-            vals = w_dense(w)
-            u = quant.Unpacked(w.fmt, *_integers(w), qtype=w.qtype)
-            rows = quant.pack_rows(u)
-            assert np.array_equal(quant.dequantize_rows(quant.pack(u), w.fmt, w.fp16, np.arange(w.n), k), vals)
-            triples.append((w, kernels.pack_weight(torch.from_numpy(vals).to(torch.bfloat16)),
-                            kernels.qdense_bound(rows, w.fmt, w.fp16, w.n), k))
-    nbytes = {"native": sum(w.packed.numel() for w, *_ in triples), "panels": sum(p.numel() * 2 for _, p, *_ in triples)}
-    nbytes["blocks"] = nbytes["native"]
-    kinds = {
-        "native": lambda t, x: t[0](x),
-        "panels": lambda t, x: kernels.gemm(x, t[1], t[0].n),
-        "blocks": lambda t, x: t[2](x),
-    }
+    # the layers' weights three ways, each as the engine builds it: native records, dense bf16 panels,
+    # dense blocks
+    path = resolve_model_path(model)
+    panels_m = LlamaModel(load_gguf(path), "bf16", weights="dense", dense_blocks=False)
+    blocks_m = LlamaModel(load_gguf(path), "bf16", weights="dense", dense_blocks=True)
+
+    def layer_weights(model_: LlamaModel) -> list:
+        return [w for L in model_.layers for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+
+    triples = [t for t in zip(layer_weights(m), layer_weights(panels_m), layer_weights(blocks_m), strict=True)
+               if isinstance(t[0], QuantWeight) and isinstance(t[2], BlockWeight)]  # (native, panels, blocks)
+    nbytes = {"native": sum(w.nbytes for w, _, _ in triples), "panels": sum(p.nbytes for _, p, _ in triples),
+              "blocks": sum(b.nbytes for _, _, b in triples)}
+    kinds = {"native": 0, "panels": 1, "blocks": 2}
+
+    def k_of(t: tuple) -> int:
+        return t[0].packed.shape[1] * 32
     rows_out = []
     for mm in (1, 8, 32, 128, 512):
-        xs = {k: torch.randn(mm, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for *_, k in triples}
+        xs = {k: torch.randn(mm, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+              for k in {k_of(t) for t in triples}}
         for t in triples[:4]:  # the same bits as the panels (and the start-up check's own comparison)
-            assert torch.equal(t[2](xs[t[3]]).view(torch.int16), kernels.gemm(xs[t[3]], t[1], t[0].n).view(torch.int16))
+            assert torch.equal(t[2](xs[k_of(t)]).view(torch.int16), t[1](xs[k_of(t)]).view(torch.int16))
 
         def one_pass(kind: str, xs=xs) -> float:
-            f = kinds[kind]
+            i = kinds[kind]
             t0 = time.perf_counter()
             for t in triples:
-                f(t, xs[t[3]])
+                t[i](xs[k_of(t)])
             return (time.perf_counter() - t0) * 1e3
 
         ms: dict[str, list[float]] = {k: [] for k in kinds}
@@ -247,26 +247,6 @@ def blocks(m, model: str | None, target: Path) -> int:
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")
     return 0
-
-
-def _integers(w: QuantWeight):
-    """A u4 weight's integers and scales, read back from its records: (q (N, K), d, mn)."""
-    import numpy as np
-
-    from isolab.kernels import quant
-
-    assert w.fmt == quant.U4, "--blocks reads u4 layers (SmolLM2's Q4_1)"
-    rec = w.packed.numpy()  # (panels, nb, record)
-    p, nb, _ = rec.shape
-    chunks = rec[:, :, :256].reshape(p, nb, 4, quant.PANEL, 4)  # (panel, b, chunk, j, byte i)
-    q = np.empty((p, quant.PANEL, nb, 4, 8), np.uint8)
-    q[..., :4] = (chunks & 15).transpose(0, 3, 1, 2, 4)  # k = 8c + i
-    q[..., 4:] = (chunks >> 4).transpose(0, 3, 1, 2, 4)  # k = 8c + 4 + i
-    sdt, sb = (np.float16, 32) if w.fp16 else (np.float32, 64)
-    scales = rec[:, :, 256:256 + 2 * sb].copy().view(sdt).reshape(p, nb, 2, quant.PANEL).transpose(2, 0, 3, 1)
-    n = w.n
-    return (q.reshape(p * quant.PANEL, nb * 32)[:n], scales[0].reshape(-1, nb)[:n].copy(),
-            scales[1].reshape(-1, nb)[:n].copy())
 
 
 def w_dense(w: QuantWeight):

@@ -48,7 +48,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "po
 # the kernels' run-time settings (isolab_<name>(int)): none changes a bit, each is for an A/B or a test
 SETTINGS = ("attention_fast_paths", "attention_row_units", "attention_prefetch", "balance", "qgemm_order",
             "qgemm_tile_rows")
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("simd.h", "balance.h", "records.h"))
 # -ffp-contract=off: no silent fma, so every ISA level rounds alike. -mtune=generic: `native` takes
 # this CPU's instructions but the same tuning as the x86-64-vN levels; GCC 12 tunes an AMX Xeon as
 # "rocketlake", which made the quantized GEMM's VNNI path 1.38x slower than an x86-64-v4 build of the

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "records.h"  // Fmt, record_bytes, half_to_float
 #include "simd.h"  // amx_ready, TileConfig
 
 #if defined(__AVX512F__)
@@ -41,35 +42,7 @@ namespace {
 
 constexpr int QK = 32;  // k's per block
 constexpr int QP = 16;  // columns per panel
-enum Fmt { U4 = 0, S8 = 1, S8G16 = 2 };
 
-static inline int record_bytes(int fmt, int fp16) {
-    const int sb = fp16 ? 32 : 64;
-    return fmt == U4 ? 256 + 2 * sb : fmt == S8 ? 512 + sb : 512 + 2 * sb;
-}
-
-static inline float half_to_float(uint16_t h) {  // exact (every fp16 is an fp32)
-    const uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t u;
-    if (e == 0x1f)
-        u = s | 0x7f800000u | (m << 13);
-    else if (e != 0)
-        u = s | ((e + 112) << 23) | (m << 13);
-    else if (m == 0)
-        u = s;
-    else {  // subnormal: normalize
-        int ee = 113;
-        uint32_t mm = m;
-        while (!(mm & 0x400)) {
-            mm <<= 1;
-            ee--;
-        }
-        u = s | ((uint32_t)ee << 23) | ((mm & 0x3ff) << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 static inline float scale_of(const uint8_t* p, int i, int fp16) {
     if (fp16) {
         uint16_t h;

@@ -34,6 +34,7 @@
 #include <atomic>
 
 #include "balance.h"
+#include "records.h"  // Fmt, record_bytes, half_to_float
 #include "simd.h"
 
 #if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
@@ -71,27 +72,6 @@ struct QA {
     float xs;   // da * float(sum of q)
     int32_t s16[2];  // sums of q over k 0..15 and 16..31
 };
-
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else {  // subnormal: normalize
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline v16f load_scales(const uint8_t* p, bool fp16) {
     v16f r;
@@ -387,13 +367,6 @@ static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s
 #endif
 
 // ---- the float part: the same IEEE operations on every build ----
-
-enum Fmt { U4 = 0, S8 = 1, S8G16 = 2 };
-
-static inline long record_bytes(int fmt, bool fp16) {
-    const long sb = fp16 ? 32 : 64;  // one row of 16 scales
-    return fmt == U4 ? 256 + 2 * sb : fmt == S8 ? 512 + sb : 512 + 2 * sb;
-}
 
 template <int FMT, int R, int NP>
 static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* const* rows, v16f* out) {

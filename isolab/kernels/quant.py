@@ -13,7 +13,6 @@ Other types (F32, F16, BF16, Q5_1, Q5_K, ...) are not in this list: their layers
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +111,18 @@ def pack(u: Unpacked) -> torch.Tensor:
     """-> uint8 (panels, K/32, record) as qgemm.cpp reads it; N padded to 16 with zero records.
     Each part is written once, straight into the records (a vocabulary head is 168M weights in
     Gemma 3: no temporaries of its size)."""
+    return _pack(u, rows=False)
+
+
+def pack_rows(u: Unpacked) -> torch.Tensor:
+    """-> uint8 (panels, K/32, record) as qdense.cpp reads it (--weights dense on AMX): per panel of 16
+    columns and block of 32 k's, each column's integers together (u4: byte i = q[i] | q[i + 16] << 4,
+    the GGUF's own Q4 layout; s8: 32 int8), then the scales as pack lays them out. The same size as
+    pack's records; N padded to 16 with zero records."""
+    return _pack(u, rows=True)
+
+
+def _pack(u: Unpacked, rows: bool) -> torch.Tensor:
     n, k = u.q.shape
     nb, p = k // QK, -(-n // PANEL)
     pad = p * PANEL - n
@@ -129,7 +140,13 @@ def pack(u: Unpacked) -> torch.Tensor:
         return view
 
     q = padded(u.q)
-    if u.fmt == U4:  # byte i of chunk c of column j: k's 8c + i (low nibble) and 8c + 4 + i (high)
+    if rows:  # a column's 32 k's together (qdense.cpp)
+        q = q.reshape(p, PANEL, nb, QK).transpose(0, 2, 1, 3)  # (panel, b, j, 32 k's)
+        if u.fmt == U4:  # byte i: k's i (low nibble) and i + 16 (high)
+            part(0, (PANEL, 16))[...] = q[..., :16] | (q[..., 16:] << 4)
+        else:
+            part(0, (PANEL, QK))[...] = q.view(np.uint8)
+    elif u.fmt == U4:  # byte i of chunk c of column j: k's 8c + i (low nibble) and 8c + 4 + i (high)
         q = q.reshape(p, PANEL, nb, 4, 8)  # (panel, j, b, chunk, 8 k's)
         byte = q[..., :4] | (q[..., 4:] << 4)
         part(0, (4, PANEL, 4))[...] = byte.transpose(0, 2, 3, 1, 4)  # (panel, b, chunk, j, 4)
@@ -149,27 +166,6 @@ def pack(u: Unpacked) -> torch.Tensor:
         rec[..., at:at + b.shape[-1]] = b
         at += b.shape[-1]
     assert at == rec.shape[-1]
-    return torch.from_numpy(rec)
-
-
-def pack_rows(u: Unpacked) -> torch.Tensor:
-    """-> uint8 (panels, K/32, record) as qdense.cpp reads it (--weights dense on AMX): per panel of 16
-    columns and block of 32 k's, each column's integers together (u4: byte i = q[i] | q[i + 16] << 4,
-    the GGUF's own Q4 layout; s8: 32 int8), then the scales as pack lays them out. The same size as
-    pack's records; N padded to 16 with zero records."""
-    n, k = u.q.shape
-    nb, p = k // QK, -(-n // PANEL)
-    pad = p * PANEL - n
-    fp16 = u.d.dtype == np.float16
-    rec = np.empty((p, nb, record_bytes(u.fmt, fp16)), np.uint8)
-    q = np.concatenate([u.q, np.zeros((pad, k), u.q.dtype)]) if pad else u.q
-    q = q.reshape(p, PANEL, nb, QK).transpose(0, 2, 1, 3)  # (panel, b, j, 32 k's)
-    if u.fmt == U4:
-        rec[..., :256] = (q[..., :16] | (q[..., 16:] << 4)).reshape(p, nb, 256)
-    else:
-        rec[..., :512] = q.view(np.uint8).reshape(p, nb, 512)
-    body = 256 if u.fmt == U4 else 512
-    rec[..., body:] = pack(dataclasses.replace(u, q=np.zeros((n, k), u.q.dtype))).numpy()[..., body:]
     return torch.from_numpy(rec)
 
 

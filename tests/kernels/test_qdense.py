@@ -51,7 +51,11 @@ def test_a_records_vector_dequantization_is_its_definition(fmt, fp16):
     d = u.d.copy()
     d[:4, 0] = np.array([0.0, np.inf, np.nan, 6.0e4 if fp16 else 3.0e38], dtype=sdt)  # fp16 max, or near fp32's
     d[4, 0] = np.array(6.0e-8 if fp16 else 1.0e-38, dtype=sdt)  # the smallest steps (fp32: subnormal weights)
-    u = Q.Unpacked(u.fmt, u.q, d, u.mn, u.qtype)
+    q, mn = u.q.copy(), None if u.mn is None else u.mn.copy()
+    q[4, :2] = 1  # d q = d: with fp32 scales a subnormal weight (mn 0 below), which the guard must keep
+    if mn is not None:
+        mn[4, 0] = 0
+    u = Q.Unpacked(u.fmt, q, d, mn, u.qtype)
     rec = Q.pack_rows(u)[0, 0].contiguous()
     vec, scalar = kernels.qdense_record(rec, fmt, fp16), kernels.qdense_record(rec, fmt, fp16, scalar=True)
     assert torch.equal(vec.view(torch.int16), scalar.view(torch.int16))
@@ -61,6 +65,8 @@ def test_a_records_vector_dequantization_is_its_definition(fmt, fp16):
     assert torch.equal(torch.isnan(scalar), nan) and int(nan.sum()) > 16  # (torch writes any NaN as 0xffff: NaN alike)
     assert torch.equal(scalar.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     assert torch.isinf(scalar).any()
+    if not fp16:  # the subnormal weights are there, kept by the vector path too (not read as zero)
+        assert float(scalar[4, 0]) != 0 and abs(float(scalar[4, 0])) < torch.finfo(torch.float32).tiny
 
 
 def test_layout_is_the_gguf_nibble_order():
@@ -177,3 +183,14 @@ def test_against_gguf_own_dequantization(qtype):
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     out = kernels.qdense_bound(rows, fmt, u.d.dtype == np.float16, n)(x)
     assert torch.equal(out.view(torch.int16), kernels.gemm(x, kernels.pack_weight(want), n).view(torch.int16))
+
+
+def test_records_of_another_shape_or_format_are_refused():
+    """The kernel reads ceil(n / 16) panels of records of its format's size: records that do not fit
+    the arguments are refused before a call could read past them."""
+    u = Q.random_unpacked(Q.U4, 40, 64, True, seed=1)
+    rows = Q.pack_rows(u)
+    kernels.qdense_bound(rows, Q.U4, True, 40)  # fits
+    for args in ((Q.U4, True, 64), (Q.U4, False, 40), (Q.S8, True, 40)):
+        with pytest.raises(AssertionError):
+            kernels.qdense_bound(rows, *args)
