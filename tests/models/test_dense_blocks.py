@@ -10,8 +10,9 @@ import pytest
 from isolab import kernels
 from isolab.models.linear import BlockWeight, StackedWeight, Weight
 
-pytestmark = pytest.mark.skipif(not kernels.native_ready() or kernels.qdense_isa() != "amx",
-                                reason="dense weights stay in blocks only where the tile unit runs")
+# (the switch's own test below runs everywhere)
+needs_amx = pytest.mark.skipif(not kernels.native_ready() or kernels.qdense_isa() != "amx",
+                               reason="dense weights stay in blocks only where the tile unit runs")
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Write a haiku about the sea, and then explain it."]
 
@@ -47,22 +48,26 @@ def _same(model: str | None, monkeypatch) -> None:
     assert got == want  # tokens and logprobs (their floats compared exactly)
 
 
+@needs_amx
 def test_tiny_q4_1_dense_blocks_give_the_panels_bits(q4_path, monkeypatch):
     _same(str(q4_path), monkeypatch)
 
 
 @pytest.mark.real
+@needs_amx
 def test_real_model_dense_blocks_give_the_panels_bits(monkeypatch):
     _same(None, monkeypatch)
 
 
 @pytest.mark.real
+@needs_amx
 def test_gemma3_dense_blocks_give_the_panels_bits(monkeypatch):
     """Gemma 3 270M's Q4_K_M file: u4 records with fp32 scales, Q6_K's s8 groups of 16 and a Q8_0
     head, some of them stacked side by side; its per-op forward."""
     _same("gemma3-270m", monkeypatch)
 
 
+@needs_amx
 def test_blocks_are_mapped_from_the_weight_cache(q4_path):
     """The records are packed once into the weight cache (a `.rows` file per weight) and mapped by
     every start after that."""
