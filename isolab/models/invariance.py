@@ -333,6 +333,12 @@ def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.devi
     for path in candidates:
         report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes, quant_native=quant_native,
                        block_shapes=block_shapes)
+        if report.block_shapes and not report.gemm_ok and _only_blocks_differ(report):
+            # the dense GEMM on GGUF blocks failed where the same path's panels may not: the model
+            # keeps its panels (a verdict without block_shapes) rather than losing the whole path
+            rejected.append(f"{report.summary()}; its dense weights kept as panels")
+            report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes,
+                           quant_native=quant_native)
         first = first or report
         if report.gemm_ok or forced:
             report = dataclasses.replace(report, rejected=tuple(rejected))
@@ -343,6 +349,11 @@ def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.devi
     report = dataclasses.replace(first, rejected=tuple(rejected))
     _log(report)
     return report
+
+
+def _only_blocks_differ(report: InvarianceReport) -> bool:
+    """Whether every differing GEMM output of `report` is in a GEMM on GGUF blocks (qdense.cpp)."""
+    return all(s.startswith("blocks ") for s, per in report.gemm_mismatches.items() if any(per.values()))
 
 
 def _log(report: InvarianceReport) -> None:

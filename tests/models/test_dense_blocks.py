@@ -95,3 +95,29 @@ def test_the_switch_reads_as_a_user_writes_it(monkeypatch, caplog, value, on):
     with caplog.at_level("WARNING"):
         assert dense_blocks() is on
     assert ("ISOLAB_DENSE_BLOCKS" in caplog.text) == (value == "garbage")  # a value it cannot read: said so
+
+
+@needs_amx
+def test_blocks_that_fail_the_check_leave_the_panels(q4_path, monkeypatch, tmp_path):
+    """Where the GEMM on GGUF blocks fails the start-up check (here: blocks made to differ from the
+    dense GEMM by one bit), the model keeps the isolab path with its bf16 panels; the refusal names
+    the blocks. (Before: the whole isolab path was refused and the next path taken.)"""
+    import torch
+
+    from isolab.models import invariance
+    from isolab.models.gguf_loader import load_gguf
+    from isolab.models.llama import LlamaModel
+
+    class Off(BlockWeight):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            y = super().__call__(x)
+            return y.view(torch.int16).bitwise_xor(1).view(y.dtype)  # one bit, in every output
+
+    monkeypatch.setenv("ISOLAB_INVARIANCE_CACHE", str(tmp_path))
+    monkeypatch.setattr(invariance, "BlockWeight", Off)
+    m = LlamaModel(load_gguf(q4_path), "bf16", weights="dense")
+    report = m.numerics
+    assert report.gemm_path == "isolab" and report.invariant and not report.block_shapes
+    assert len(report.rejected) == 1 and "blocks" in report.rejected[0] and "kept as panels" in report.rejected[0]
+    kinds = {type(p) for w in m.linears() for p in (w.parts if isinstance(w, StackedWeight) else [w])}
+    assert kinds == {Weight}, kinds
