@@ -63,12 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the engine's workload N times, each on a fresh engine (an empty prefix cache), "
                         "interleaved with --compare's peer: each pair and the median are reported (1)")
     p.add_argument("--url", default=None, help="bench an OpenAI-compatible server instead of the engine")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model", default=None, help="model name to send with --url")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="with --url: for servers without `ignore_eos` (llama.cpp); pair with --extra-body")
-    p.add_argument("--extra-body", default=None, metavar="JSON",
-                   help='with --url: fields merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'')
+    _add_request_args(p)
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -86,16 +81,28 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
                                   f"server's command", field=dest)
 
 
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """The flags that shape the requests sent to a server (--url's)."""
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="with --url: for servers without `ignore_eos` (llama.cpp); pair with --extra-body")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='with --url: fields merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'')
+
+
 def _refuse_url_flags(args: argparse.Namespace) -> None:
-    """Without --url the engine runs here: the flags that shape requests to a server would be silently
-    ignored, so they are refused in one sentence."""
+    """Without --url the engine runs here: the flags that shape requests to a server (each set away
+    from its default) would be silently ignored, so they are refused in one sentence."""
     from isolab.errors import InvalidRequestError
 
-    for option, dest, default in (("--api-key", "api_key", None), ("--served-model", "served_model", None),
-                                  ("--no-ignore-eos", "no_ignore_eos", False), ("--extra-body", "extra_body", None)):
-        if getattr(args, dest) != default:
-            raise InvalidRequestError(f"{option} shapes the requests sent to a server: it needs --url (without it "
-                                      "the engine runs in this process)", field=dest)
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_request_args(parser)
+    defaults = vars(parser.parse_args([]))
+    for a in parser._actions:
+        if getattr(args, a.dest) != defaults[a.dest]:
+            raise InvalidRequestError(f"{a.option_strings[0]} shapes the requests sent to a server: it needs --url "
+                                      "(without it the engine runs in this process)", field=a.dest)
 
 
 def run(args: argparse.Namespace) -> int:
