@@ -192,14 +192,14 @@ def _for_template(conversation: Sequence[Message]) -> list[Message]:
     from pydantic import ValidationError
 
     from isolab.server.protocol import ChatMessage
+    from isolab.server.validation import describe
 
     out = []
     for i, m in enumerate(conversation):
         try:
             out.append(ChatMessage.model_validate(m).for_template())
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err.get("loc", ()))
-            msg = str(err.get("msg", "not a valid message")).removeprefix("Value error, ")
-            raise InvalidRequestError(f"messages[{i}]{'.' + where if where else ''}: {msg}", field="messages") from None
+        except ValidationError as exc:  # the sentence the server's 400 would carry, under messages[i]
+            msg, param = describe(list(exc.errors()))
+            where = f"messages[{i}].{msg}" if param and msg.startswith(param) else f"messages[{i}]: {msg}"
+            raise InvalidRequestError(where, field="messages") from None
     return out

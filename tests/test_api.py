@@ -37,3 +37,29 @@ def test_llm_refuses_malformed_arguments_in_a_sentence(tiny_path):
         with pytest.raises(isolab.InvalidRequestError, match=message.replace("(", r"\(")):
             call()
     assert len(llm.generate([[1, 2, 3], [4, 5]], [sp, sp])) == 2  # the forms it takes still work
+
+
+def test_llm_chat_refuses_a_bad_message_as_the_server_does(tiny_path):
+    """A message LLM.chat cannot read is refused with the sentence the server's 400 carries for the same
+    message (one reader of pydantic's errors), under `messages[i]`. (A union's member tag leaked into it
+    before: `messages[1].content.str: ...`.)"""
+    import pytest
+    from pydantic import ValidationError
+
+    from isolab import LLM, SamplingParams
+    from isolab.server.errors import validation_error
+    from isolab.server.protocol import ChatCompletionRequest
+
+    llm = LLM(model=str(tiny_path))
+    ok = {"role": "user", "content": "hi"}
+    for bad in ({"role": "robot", "content": "x"}, {"role": "user"}, {"role": "user", "content": 5}, "hello",
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
+                {"role": "tool", "content": "x"}):
+        with pytest.raises(ValidationError) as served:
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [ok, bad]})
+        want = validation_error(list(served.value.errors())).message
+        assert want.startswith("messages.1")
+        with pytest.raises(isolab.InvalidRequestError) as got:
+            llm.chat([ok, bad], SamplingParams(max_tokens=1))
+        assert str(got.value) == "messages[1]" + want.removeprefix("messages.1"), (str(got.value), want)
+        assert ".str" not in str(got.value)

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from isolab.errors import EngineUnavailable, InvalidRequestError, PromptTooLongError, RequestAborted
 from isolab.server.protocol import ErrorInfo, ErrorResponse
-from isolab.server.refused import RefusedField
+from isolab.server.validation import describe
 
 log = logging.getLogger("isolab.server")
 
@@ -61,43 +61,11 @@ def api_error(exc: InvalidRequestError | RequestAborted | EngineUnavailable) -> 
     return ApiError(400, str(exc), param=exc.field, code=code)
 
 
-# pydantic's errors where a value had the wrong kind altogether; any other (a bound, a literal, a field
-# missing from an object of the right form) says more
-_TYPE_MISMATCH = ("_type",)
-_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-
-
-def _is_union_tag(part: object) -> bool:
-    """pydantic names the member of a union an error is about in its loc ('str', 'list[int]', a model's
-    class name: 'NamedToolChoice'; the protocol's own fields are snake_case)."""
-    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS or part.startswith(("function-", "constrained-"))
-                                      or part[:1].isupper())
-
-
 def validation_error(errors: list[Any]) -> ApiError:
-    """One 400 for a body that does not validate: the error that says most about the first value at
-    fault (where it fits none of a union's forms, the error of the form it got deepest into, over a
-    bare 'not a string'), its path without pydantic's union tags as `param`."""
-    if not errors:
-        return ApiError(400, "the body is not valid")
-    first = errors[0]
-    refused = (first.get("ctx") or {}).get("error")
-    if isinstance(refused, RefusedField):
-        return ApiError(400, str(refused), param=refused.name)
-    kind = str(first.get("type", ""))
-    if kind == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', 'a decode error')})")
-    if tuple(first.get("loc", ())) == ("body",):
-        return ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json")
-    loc = tuple(first.get("loc", ()))
-    cut = next((i for i, x in enumerate(loc) if _is_union_tag(x)), len(loc))  # the value at fault ends here
-    same = [e for e in errors if tuple(e.get("loc", ()))[:cut] == loc[:cut]]
-    best = min(same, key=lambda e: (str(e.get("type", "")).endswith(_TYPE_MISMATCH), -len(e.get("loc", ()))))
-    param = ".".join(str(x) for x in best.get("loc", ()) if x != "body" and not _is_union_tag(x)) or None
-    if best.get("type") == "none_required":
-        return ApiError(400, f"{param} is not supported", param=param)
-    msg = str(best.get("msg", "invalid")).removeprefix("Value error, ")
-    return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
+    """One 400 for a body that does not validate (validation.describe: the first value at fault, its
+    path as `param`)."""
+    message, param = describe(errors)
+    return ApiError(400, message, param=param)
 
 
 def install_handlers(app: FastAPI) -> None:
