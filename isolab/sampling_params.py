@@ -59,8 +59,8 @@ class SamplingParams:
     max_tokens: int = 16  # 0: the prompt is computed (e.g. for prompt_logprobs) and nothing is generated
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus: keep the smallest set whose mass reaches top_p
-    top_k: int = 0  # 0 = off
-    seed: int | None = None  # one generator per request, seeded with this (random when None)
+    top_k: int = 0  # 0 = off (-1, vLLM's off, is read as 0)
+    seed: int | None = None  # one generator per request, seeded with this (random when None); [0, 2**64), a negative one read as 64 bits
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -106,10 +106,14 @@ class SamplingParams:
             raise bad("temperature", f"must be a number in [0, 100], not {self.temperature!r}")
         if not is_number(self.top_p) or not (0.0 <= float(self.top_p) <= 1.0):
             raise bad("top_p", f"must be in [0, 1], not {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", f"must be an integer >= 0 (0 = off), not {self.top_k!r}")
-        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**63)):
-            raise bad("seed", f"must be an integer in [0, 2**63), not {self.seed!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= 0 (0 or -1 = off), not {self.top_k!r}")
+        if self.top_k == -1:  # vLLM's "off" (its older releases take no other)
+            object.__setattr__(self, "top_k", 0)
+        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64), not {self.seed!r}")
+        if self.seed is not None and self.seed < 0:  # OpenAI's seeds are int64: read as 64 bits (torch's rule)
+            object.__setattr__(self, "seed", self.seed % 2**64)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -137,6 +141,11 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias", "names a token twice")
+        if self.structured is not None:  # (a grammar ends its own output: at EOS, once it is complete)
+            for name in ("stop", "stop_token_ids"):
+                if getattr(self, name):
+                    raise bad(name, f"cannot go with a structured output ({self.structured.field}): it would end the "
+                                    "output before the structure is complete")
 
     @property
     def processes_logits(self) -> bool:

@@ -148,6 +148,10 @@ class ReplicaSet(AdmissionBound):
     def num_pending_commands(self) -> int:
         return 0  # submissions are awaited in place; nothing queues on the ingress
 
+    @property
+    def num_pending_requests(self) -> int:
+        return 0  # (as num_pending_commands)
+
     async def submit(self, requests: Sequence[EngineRequest], cache_scope: str) -> asyncio.Queue[RequestOutput]:
         """Route the call (all its choices to one replica: they share the prompt's blocks) and add it
         there. A replica that dies, stays silent or is stopping before it admits the call is marked

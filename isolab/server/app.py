@@ -86,7 +86,7 @@ def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegis
     capacity = facts.num_engines * (facts.max_num_seqs + config.max_queue)
 
     def queue_length() -> int:
-        return int(backend.stats.get("waiting", 0)) + backend.num_pending_commands
+        return int(backend.stats.get("waiting", 0)) + backend.num_pending_requests  # (an abort waits for nothing)
 
     metrics = ServerMetrics(lambda: backend.stats, queue_length, facts.numerics)
     backend.register_metrics(metrics.registry)

@@ -99,7 +99,8 @@ class EngineLoop(AdmissionBound):
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="isolab-engine", daemon=True)
         self.stats: dict[str, float] = dict(engine.stats())
-        self.num_pending_commands = 0
+        self.num_pending_commands = 0  # submissions and aborts the engine thread has not taken yet
+        self.num_pending_requests = 0  # the requests those submissions carry (the waiting gauge counts them)
         self._threads = 1
         self.team_size = 0  # the engine thread's OpenMP team size, once it runs (omp_pool)
         self._builder = threading.get_ident()  # the thread that built the engine holds its OpenMP pool
@@ -166,6 +167,8 @@ class EngineLoop(AdmissionBound):
                 raise RequestAborted("the server is shutting down")
             self._commands.append(cmd)
             self.num_pending_commands = len(self._commands)
+            if isinstance(cmd, _Add):
+                self.num_pending_requests += len(cmd.requests)
             self._cv.notify()
 
     # -- engine thread -------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ class EngineLoop(AdmissionBound):
                     self._cv.wait()
                 commands = list(self._commands)
                 self._commands.clear()
-                self.num_pending_commands = 0
+                self.num_pending_commands = self.num_pending_requests = 0
                 stopping = self._stopping
             for cmd in commands:
                 if isinstance(cmd, _Add):

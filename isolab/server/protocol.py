@@ -116,9 +116,9 @@ class BaseRequest(NullsAreDefaults):
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: completions with echo only (the prompt scored); chat: >= 1
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[Number, Field(ge=0.0, le=1.0)] = 1.0  # 0: the most likely token only (OpenAI takes [0, 1])
-    top_k: NonNegInt = Field(0, description="extension: 0 = off")
+    top_k: Annotated[StrictInt, Field(ge=-1)] = Field(0, description="extension: 0 or -1 = off")
     n: Annotated[StrictInt, Field(ge=1)] = 1
-    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None  # OpenAI's int64
     # every token is checked against every stop string: bounded, so one request cannot slow the step
     # for all (OpenAI takes 4; vLLM has no bound)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None = None

@@ -134,7 +134,7 @@ class Serving:
         try:
             return SamplingParams(
                 max_tokens=plan.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=None if body.seed is None else (body.seed + seed_offset) % 2**63, stop=body.stop_list(),
+                seed=None if body.seed is None else (body.seed + seed_offset) % 2**64, stop=body.stop_list(),
                 stop_token_ids=self._stop_token_ids(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),

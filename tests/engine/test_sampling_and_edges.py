@@ -17,7 +17,7 @@ def llm(tiny_bundle):
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", -1), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2),
-    ("seed", -1), ("logprobs", 99), ("stop", ("",)),
+    ("seed", -(2**63) - 1), ("seed", 2**64), ("logprobs", 99), ("stop", ("",)),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} ") as exc:  # the field as a client names it, not our class
@@ -184,3 +184,21 @@ def test_a_max_model_len_beyond_the_models_context_is_refused_in_a_sentence(tiny
         LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_model_len=ctx + 1)
     assert exc.value.field == "max_model_len"
     assert LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_model_len=ctx).engine.max_model_len == ctx
+
+
+def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm):
+    """top_k -1 is vLLM's off (read as 0); a negative seed (OpenAI's seeds are int64) is read as 64 bits,
+    torch's rule, and samples as that seed; a stop string or token cannot go with a structured output,
+    which it would end before the structure is complete."""
+    from isolab.sampling_params import GrammarSpec
+
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(seed=-5).seed == 2**64 - 5
+    p = lambda s: SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True)  # noqa: E731
+    a, b = (llm.generate("the cat", p(s))[0].token_ids for s in (-5, 2**64 - 5))
+    assert a == b
+    spec = GrammarSpec("json_object", "", "response_format")
+    for kw, field in ((dict(stop=["x"]), "stop"), (dict(stop_token_ids=[3]), "stop_token_ids")):
+        with pytest.raises(InvalidRequestError, match=f"^{field} cannot go with a structured output") as exc:
+            SamplingParams(structured=spec, **kw)
+        assert exc.value.field == field

@@ -429,3 +429,28 @@ def test_tokens_wholly_inside_a_cut_stop_string_have_no_logprobs_entries(srv, ch
         starts = [len(b"".join(token_bytes(t) for t in tokens[:i])) for i in range(len(tokens))]
         assert b"".join(token_bytes(t) for t in tokens).startswith(cut.encode()), tokens
         assert all(s < len(cut.encode()) for s in starts), (tokens, cut)
+
+
+def test_the_waiting_gauge_counts_submitted_requests_not_aborts():
+    """isolab_num_requests_waiting adds what the engine thread has not taken yet: the requests a
+    submission carries, not the aborts (a black-box QA pass saw waiting=3 with one request left, the
+    others' aborts in flight). A stub engine: the thread never runs, so the commands stay queued."""
+    import asyncio
+
+    from isolab.sampling_params import SamplingParams
+    from isolab.server.engine_loop import EngineLoop, EngineRequest, _Add
+
+    class Stub:
+        def stats(self) -> dict[str, float]:
+            return {}
+
+    loop = EngineLoop(Stub())  # type: ignore[arg-type]
+    loop.abort(["a", "b", "c"])
+    assert loop.num_pending_commands == 1 and loop.num_pending_requests == 0
+    ev = asyncio.new_event_loop()
+    try:
+        reqs = tuple(EngineRequest(f"r{i}", (1, 2), SamplingParams(max_tokens=1)) for i in range(2))
+        loop._push(_Add(reqs, "scope", ev, asyncio.Queue(), ev.create_future()))
+    finally:
+        ev.close()
+    assert loop.num_pending_commands == 2 and loop.num_pending_requests == 2

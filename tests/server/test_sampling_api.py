@@ -159,3 +159,20 @@ def test_min_tokens_over_the_default_max_tokens_says_whose_limit_it_is(srv):
     r = httpx.post(srv.base_url + "/completions", headers={"Authorization": "Bearer sk-alice"},
                    json={"model": srv.model, "prompt": "hi", "max_tokens": 3, "min_tokens": 10})
     assert r.status_code == 400 and r.json()["error"]["message"] == "min_tokens (10) must not exceed max_tokens (3)"
+
+
+def test_top_k_minus_one_is_off_and_seeds_take_openais_int64_range(srv):
+    """vLLM's top_k -1 means off (its older releases take no other); OpenAI's seed is an int64, so a
+    negative seed is a seed of its own (read as 64 bits), the same text each time. Both were 400s."""
+    def text(**kw) -> str:
+        r = httpx.post(srv.base_url + "/completions", headers=H,
+                       json={"prompt": "a", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text(seed=7, top_k=-1) == text(seed=7, top_k=0) == text(seed=7)
+    assert text(seed=-5) == text(seed=-5)
+    assert len({text(seed=s) for s in (-5, -6, 5, 2**63 - 1, -(2**63))}) > 1
+    for field, value in (("top_k", -2), ("seed", 2**63), ("seed", -(2**63) - 1)):
+        r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -98,6 +98,14 @@ def test_peer_extensions_are_honoured(srv, body, check, path):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
     ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    # a stop string or token would end the output before the structure is complete (a QA pass got
+    # '{"' with finish_reason stop, and a forced tool call's wrapper cut open as content)
+    ({"response_format": {"type": "json_object"}, "stop": ["city"]}, "stop"),
+    ({"guided_choice": ["yes", "no"], "stop_token_ids": [5]}, "stop_token_ids"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": "required", "stop": "Paris"}, "stop"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["x"]}, "stop"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(srv, body, param):
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 5, **body})
