@@ -141,11 +141,13 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias", "names a token twice")
-        if self.structured is not None:  # (a grammar ends its own output: at EOS, once it is complete)
+        if self.structured is not None and self.structured.kind in ("json_schema", "json_object"):
+            # JSON ends itself (EOS once the value is complete); cut short it parses as nothing. (A regex
+            # or a choice list is the client's own language, which a stop may be part of.)
             for name in ("stop", "stop_token_ids"):
                 if getattr(self, name):
-                    raise bad(name, f"cannot go with a structured output ({self.structured.field}): it would end the "
-                                    "output before the structure is complete")
+                    raise bad(name, f"cannot go with a JSON structured output ({self.structured.field}): it would "
+                                    "end the output before the JSON is complete")
 
     @property
     def processes_logits(self) -> bool:

@@ -94,7 +94,17 @@ class BaseRequest(NullsAreDefaults):
     @classmethod
     def _nested_ignored(cls, data: dict[str, Any]) -> set[str]:
         """Fields inside the body's objects that nobody reads, as 'messages[].name'."""
-        return set()
+        out: set[str] = set()
+        so = data.get("stream_options")
+        if isinstance(so, dict):  # e.g. vLLM's continuous_usage_stats
+            out |= {f"stream_options.{k}" for k in so if k not in StreamOptions.model_fields}
+        rf = data.get("response_format")
+        if isinstance(rf, dict):  # (a json_object's schema is refused: server/structured.py)
+            out |= {f"response_format.{k}" for k in rf if k not in ("type", "json_schema", "schema")}
+            js = rf.get("json_schema")
+            if isinstance(js, dict):  # the name is an identifier; a description would guide OpenAI's model
+                out |= {f"response_format.json_schema.{k}" for k in js if k not in ("name", "schema", "strict")}
+        return out
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> BaseRequest:
@@ -222,7 +232,7 @@ class ChatCompletionRequest(BaseRequest):
 
     @classmethod
     def _nested_ignored(cls, data: dict[str, Any]) -> set[str]:
-        out = set()
+        out = super()._nested_ignored(data)
         read = set(ChatMessage.model_fields) - {"name"}  # a participant's name: the chat templates have no place for it
         for m in data.get("messages") or ():
             if isinstance(m, dict):

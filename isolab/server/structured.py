@@ -27,6 +27,9 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
     if kind == "text":
         return None
     if kind == "json_object":
+        if rf.get("schema") is not None:  # (some hosted APIs take this form; it would be any JSON object here)
+            raise ApiError(400, "response_format json_object takes no schema: send {'type': 'json_schema', "
+                                "'json_schema': {'name': ..., 'schema': {...}}}", param="response_format.schema")
         return GrammarSpec("json_object", "", "response_format")
     if kind == "json_schema":
         js = rf.get("json_schema")

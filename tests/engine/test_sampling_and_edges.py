@@ -188,8 +188,8 @@ def test_a_max_model_len_beyond_the_models_context_is_refused_in_a_sentence(tiny
 
 def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm):
     """top_k -1 is vLLM's off (read as 0); a negative seed (OpenAI's seeds are int64) is read as 64 bits,
-    torch's rule, and samples as that seed; a stop string or token cannot go with a structured output,
-    which it would end before the structure is complete."""
+    torch's rule, and samples as that seed; a stop string or token cannot go with a JSON structured
+    output, which it would end before the JSON is complete."""
     from isolab.sampling_params import GrammarSpec
 
     assert SamplingParams(top_k=-1).top_k == 0
@@ -199,6 +199,7 @@ def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm):
     assert a == b
     spec = GrammarSpec("json_object", "", "response_format")
     for kw, field in ((dict(stop=["x"]), "stop"), (dict(stop_token_ids=[3]), "stop_token_ids")):
-        with pytest.raises(InvalidRequestError, match=f"^{field} cannot go with a structured output") as exc:
+        with pytest.raises(InvalidRequestError, match=f"^{field} cannot go with a JSON structured output") as exc:
             SamplingParams(structured=spec, **kw)
         assert exc.value.field == field
+        SamplingParams(structured=GrammarSpec.choice(["yes", "no"]), **kw)  # a client's own language may hold a stop

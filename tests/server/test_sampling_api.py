@@ -131,9 +131,31 @@ def test_unknown_fields_are_reported_not_refused(srv, stream, caplog):
     assert "PROMPT-TEXT-7731" not in caplog.text  # names only, never values
 
 
+def test_unknown_keys_inside_known_objects_are_reported_too(srv):
+    """stream_options' and response_format's own extras (vLLM's continuous_usage_stats, a json_schema's
+    description, which guides OpenAI's model and not ours) were dropped without a word; a json_object
+    with a schema (some hosted APIs' form) would have given any JSON object: a 400 now."""
+    js = {"name": "x", "description": "a thing", "schema": {"type": "object"}, "strict": True}
+    for path, body, want in (
+            ("/completions", {"prompt": "a", "stream": True, "stream_options": {"include_usage": True,
+                                                                                 "continuous_usage_stats": True}},
+             "stream_options.continuous_usage_stats"),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                   "response_format": {"type": "json_schema", "json_schema": js}},
+             "response_format.json_schema.description")):
+        r = httpx.post(srv.base_url + path, headers=H, json={"max_tokens": 2, **body})
+        assert r.status_code == 200 and r.headers["x-isolab-ignored-params"] == want, (r.status_code, r.headers)
+    r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={
+        "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+        "response_format": {"type": "json_object", "schema": {"type": "object"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.schema", r.text
+
+
 def test_known_fields_leave_no_header(srv):
     r = httpx.post(srv.base_url + "/completions", headers=H, json={"prompt": "a", "max_tokens": 2,
-                                                                  "presence_penalty": 0.5, "min_p": 0.1})
+                                                                  "presence_penalty": 0.5, "min_p": 0.1,
+                                                                  "response_format": {"type": "json_schema", "json_schema": {
+                                                                      "name": "n", "schema": {}, "strict": False}}})
     assert r.status_code == 200 and "x-isolab-ignored-params" not in r.headers
 
 

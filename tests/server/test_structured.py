@@ -101,7 +101,7 @@ def test_peer_extensions_are_honoured(srv, body, check, path):
     # a stop string or token would end the output before the structure is complete (a QA pass got
     # '{"' with finish_reason stop, and a forced tool call's wrapper cut open as content)
     ({"response_format": {"type": "json_object"}, "stop": ["city"]}, "stop"),
-    ({"guided_choice": ["yes", "no"], "stop_token_ids": [5]}, "stop_token_ids"),
+    ({"guided_json": {"type": "object"}, "stop_token_ids": [5]}, "stop_token_ids"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
       "tool_choice": "required", "stop": "Paris"}, "stop"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
