@@ -89,6 +89,10 @@ def install_handlers(app: FastAPI) -> None:
             message = f"{request.url.path} is not served here; this server serves {', '.join(served)}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and message == "There was an error parsing the body":
+            # (FastAPI's words for a parser failure other than a JSON syntax error; the gate has
+            # already named a compressed body and one not in UTF-8)
+            message = "the body could not be parsed as JSON: it may be nested deeper than the parser takes"
         return ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)

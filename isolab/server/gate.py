@@ -1,7 +1,8 @@
 """Owns the gate in front of every route: metrics count, drain, auth, body limit (ASGI middleware).
 
     client -> Gate: count the reply's status -> 503 while draining -> 401 without a valid key
-                    (on /v1/*, /tokenize, /detokenize) -> 413 past the body limit -> FastAPI routes
+                    (on /v1/*, /tokenize, /detokenize) -> 413 past the body limit -> 415 for a
+                    compressed body, 400 for one not in UTF-8 -> FastAPI routes
 
 The body is read once here (up to the limit, never past it) and replayed to the app. The tenant
 goes into the request's scope state. Does not know the routes' logic or the reply formats.
@@ -63,8 +64,28 @@ class Gate:
                 await ApiError(413, f"the body is larger than {self.state.config.max_body_bytes} bytes",
                                code="body_too_large").response()(scope, receive, send)
                 return
+            unreadable = _unreadable(scope, body)
+            if unreadable is not None:
+                await unreadable.response()(scope, receive, send)
+                return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+def _unreadable(scope: Scope, body: bytes) -> ApiError | None:
+    """A body the JSON parser cannot read for a reason we can name (the parser itself says only
+    'There was an error parsing the body'): compressed, or not UTF-8."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            encoding = value.decode("latin-1")[:32]
+            return ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                            code="unsupported_content_encoding")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return ApiError(400, f"the body is not UTF-8 (byte {exc.start} cannot start or continue a character): "
+                             "send JSON in UTF-8")
+    return None
 
 
 def _bearer(scope: Scope) -> str | None:

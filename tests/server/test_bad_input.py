@@ -161,3 +161,21 @@ def test_an_explicit_null_is_the_default(srv, path, body):
     r = _post(srv, path, {**base, "stream": True, "stream_options": {"include_usage": None}})
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     assert _post(srv, "/tokenize", {"prompt": "hi", "add_special_tokens": None}).status_code == 200
+
+
+def test_a_body_the_parser_cannot_read_says_why(srv):
+    """FastAPI answers 'There was an error parsing the body' for a body that is not UTF-8, one sent
+    compressed, and JSON nested past the parser's depth: each gets its own sentence now (a black-box
+    QA pass), and the server goes on."""
+    import gzip
+
+    raw = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    cases = [
+        (raw.replace(b"hi", b"h\xffi"), {}, 400, "not UTF-8"),
+        (gzip.compress(raw), {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
+        (b'{"prompt": "hi", "x": ' + b"[" * 50000 + b"]" * 50000 + b"}", {}, 400, "nested deeper"),
+    ]
+    for body, headers, status, needle in cases:
+        r = httpx.post(srv.url + "/v1/completions", content=body, headers={**H, **headers}, timeout=120)
+        assert r.status_code == status and needle in r.json()["error"]["message"], (r.status_code, r.text)
+    assert _post(srv, "/v1/completions", raw).status_code == 200
