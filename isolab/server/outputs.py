@@ -56,7 +56,10 @@ class CompletionLogprobs:
             top: dict[str, float] = {}
             for b, (_, v) in zip(self.tok.token_bytes(top_ids), lp.top, strict=True):
                 top.setdefault(_text(b), _finite(v))  # (two tokens of the same bytes: keep the best)
-            out["top_logprobs"].append(top if lp.top else None)
+            # the sampled token always, as OpenAI's legacy format has it ("up to logprobs + 1
+            # elements") and vLLM's: so logprobs 0 gives {token: logprob}, not null
+            top.setdefault(_text(raw), _finite(lp.logprob))
+            out["top_logprobs"].append(top)
         self.total["tokens"].extend(out["tokens"])
         self.total["token_logprobs"].extend(out["token_logprobs"])
         self.total["top_logprobs"].extend(out["top_logprobs"])

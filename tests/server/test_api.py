@@ -454,3 +454,16 @@ def test_the_waiting_gauge_counts_submitted_requests_not_aborts():
     finally:
         ev.close()
     assert loop.num_pending_commands == 2 and loop.num_pending_requests == 2
+
+
+def test_completions_top_logprobs_always_hold_the_sampled_token(srv):
+    """The legacy format's top_logprobs hold the sampled token too ("up to logprobs + 1 elements", as
+    OpenAI's and vLLM's): logprobs 0 gives {token: its logprob} per token, where it gave null."""
+    c = srv.client()
+    for n in (0, 1, 3):
+        lp = c.completions.create(model=srv.model, prompt="hello", max_tokens=8, temperature=1.0, seed=3,
+                                  logprobs=n, extra_body={"ignore_eos": True}).choices[0].logprobs
+        for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert isinstance(top, dict) and top[tok] == value and len(top) <= n + 1, (n, tok, top)
+            if n == 0:
+                assert top == {tok: value}
