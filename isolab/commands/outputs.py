@@ -48,8 +48,23 @@ def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folde
     target = target if str(target) else Path(".")
     if not target.is_dir():
         raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} does not exist", field=option)
-    if not os.access(target, os.W_OK | os.X_OK):
+    if not os.access(target, os.W_OK | os.X_OK) or not _can_create_in(target):
         raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} cannot be written", field=option)
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in `folder`, by making one and removing it: os.access says yes to
+    root for folders nobody can write a file in (/proc, /sys, a read-only bind mount's own rules)."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".isolab-write-check-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+    return True
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ bound, 1 a losing schedule was found or replayed, 2 usage or target error (one s
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -106,6 +107,8 @@ def _stress(args: argparse.Namespace) -> int:
     from isolab.race.stress import StressConfig, sweep
 
     variants = parse_variants(args.variant)
+    if not variants:
+        raise InvalidRequestError(f"--variant {args.variant!r} names no variant (try buggy, a comma list, or all)")
     thread_counts = _ints(args.threads, "--threads")
     if args.repeat < 1:
         raise InvalidRequestError("--repeat must be at least 1")
@@ -144,10 +147,14 @@ def _explore(args: argparse.Namespace) -> int:
         return 0
     if args.bound < 0 or args.times < 1 or args.runs < 1 or args.depth < 1:
         raise InvalidRequestError("--bound must be >= 0; --times, --runs and --depth >= 1")
-    if min(args.max_executions, args.max_steps, args.max_bytecodes) < 1 or args.stall_seconds <= 0 \
-            or (args.time_limit is not None and args.time_limit <= 0):
+    seconds = [args.stall_seconds] + ([args.time_limit] if args.time_limit is not None else [])
+    if min(args.max_executions, args.max_steps, args.max_bytecodes) < 1 \
+            or not all(0 < x < math.inf for x in seconds):  # (NaN fails a comparison: it got through `<= 0`)
         raise InvalidRequestError("--max-executions, --max-steps, --max-bytecodes, --time-limit and --stall-seconds "
-                                  "must be positive")
+                                  "must be positive (the seconds finite)")
+    for name in args.trace_module:  # ("" and ".x" were tracebacks from importlib)
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise InvalidRequestError(f"--trace-module {name!r} is not a module name (e.g. mypkg.accounts)")
     _check_output(args.save, "--save")
     if args.replay is not None:
         return run_replay(args.target, args.replay, args.times, limits_of(args))

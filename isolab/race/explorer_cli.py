@@ -101,8 +101,10 @@ def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits)
         print(f"  source changed since the schedule was saved: {', '.join(result.changed_sources)}")
     if result.divergence:
         print(f"  first divergence: {result.divergence}")
+    code = result.exit_code
+    if code == ExitCode.INCONCLUSIVE and result.divergence and not result.inconclusive:
+        print(f"  the schedule no longer applies, so this replay shows nothing (a fix and a stale schedule look "
+              f"alike): search again with `isolab race explore {absolute_target(scenario.target or scenario.name)}`")
     print()
     print(narrative.render(result.last, scenario.names))
-    if result.last.outcome.is_inconclusive:
-        return int(ExitCode.INCONCLUSIVE)
-    return int(ExitCode.BUG) if result.last.failed else int(ExitCode.HOLDS)
+    return int(code)

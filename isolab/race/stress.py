@@ -21,6 +21,7 @@ from isolab.race.checkers import Variant
 RIGHT = "open-sesame"  # lab constants; never printed by the harness
 WRONG = "open-barley"
 MAX_THREADS = 1024  # threads per run: far past where a race shows, well under a process's usual limits
+MAX_SWITCH_INTERVAL = 10.0  # seconds: sys.setswitchinterval takes more, but a run would switch almost never
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,11 @@ class StressConfig:
             raise InvalidRequestError("requests must be at least the number of threads", field="requests")
         if not 0.0 <= self.right_share <= 1.0:
             raise InvalidRequestError("right share must be between 0 and 1", field="right_share")
-        if self.switch_interval is not None and self.switch_interval <= 0:
-            raise InvalidRequestError("switch interval must be positive (seconds)", field="switch_interval")
+        if self.switch_interval is not None and not 0 < self.switch_interval <= MAX_SWITCH_INTERVAL:
+            # (NaN got through a `<= 0` check and killed the interpreter in take_gil; a huge value
+            # became 0 in sys.setswitchinterval: the most switching, the opposite of what was asked)
+            raise InvalidRequestError(f"switch interval must be a number of seconds in (0, {MAX_SWITCH_INTERVAL:g}], "
+                                      f"not {self.switch_interval!r}", field="switch_interval")
 
     @property
     def num_right_threads(self) -> int:

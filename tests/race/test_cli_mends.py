@@ -141,3 +141,26 @@ def test_the_race_bench_script_refuses_bad_input_in_one_sentence(argv, needle):
     out = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "bench" / "race_bench.py"), *argv],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr and needle in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv,needle", [
+    # NaN passed a `<= 0` check and aborted the interpreter (take_gil); inf became a 0 s interval
+    (["race", "stress", "--threads", "2", "--requests", "200", "--repeat", "1", "--switch-interval", "nan"],
+     "switch interval must be a number of seconds"),
+    (["race", "stress", "--threads", "2", "--requests", "200", "--repeat", "1", "--switch-interval", "inf"],
+     "switch interval must be a number of seconds"),
+    (["race", "stress", "--variant", ",,", "--threads", "2", "--requests", "200"], "names no variant"),
+    (["race", "explore", "passcode:buggy", "--trace-module", ""], "is not a module name"),
+    (["race", "explore", "passcode:buggy", "--trace-module", ".x"], "is not a module name"),
+    (["race", "explore", "passcode:buggy", "--stall-seconds", "nan"], "must be positive"),
+    (["race", "explore", "passcode:buggy", "--time-limit", "nan"], "must be positive"),
+])
+def test_values_a_black_box_pass_found_are_one_sentence(argv, capsys, needle):
+    one_sentence(argv, capsys, needle)
+
+
+def test_an_output_folder_root_may_not_write_in_is_refused_before_the_work(capsys):
+    """os.access says yes to root for /proc, where no file can be made: the check makes one (the run
+    went first and failed at its end)."""
+    one_sentence(["race", "stress", "--threads", "2", "--requests", "200", "--repeat", "1", "--json", "/proc/x.json"],
+                 capsys, "cannot be written")

@@ -113,3 +113,31 @@ def test_narrative_shows_the_resumed_half_of_a_cut_line_and_a_raise() -> None:
     assert failed.finding is not None
     assert "-- raised ZeroDivisionError: integer division or modulo by zero; thread done" in narrative.render(
         failed.finding.execution, raising.names)
+
+
+FIXED = TARGET.replace("{extra}v = box.value\n        threading.Event().set()\n        box.value = v + 1",
+                       "with LOCK:\n            v = box.value\n            threading.Event().set()\n            box.value = v + 1"
+                       ).replace("class Box:", "LOCK = threading.Lock()\n\n    class Box:")
+
+
+def test_a_replay_whose_schedule_no_longer_applies_is_inconclusive(tmp_path: Path, capsys) -> None:
+    """The bug fixed (a lock), the saved schedule cannot be followed: no run fails, and none shows
+    anything about the fix either, so the replay exits 3 and says to search again (it exited 0, the
+    HOLDS code, by its last run alone: a CI gate could not tell a fix from a stale schedule). A
+    schedule file whose switch line was edited to nonsense is one sentence, exit 2 (a traceback)."""
+    target = tmp_path / "box.py"
+    target.write_text(textwrap.dedent(TARGET.format(extra="")))
+    saved = tmp_path / "box.schedule"
+    assert main(["race", "explore", f"{target}:scenario", "--quiet", "--switch", "gil", "--save", str(saved)]) == 1
+    target.write_text(textwrap.dedent(FIXED))
+    capsys.readouterr()
+    assert main(["race", "explore", "--replay", str(saved), "--times", "3"]) == ExitCode.INCONCLUSIVE
+    out = capsys.readouterr().out
+    assert "reproduced 0 of 3" in out and "first divergence: step" in out and "no longer applies" in out
+    assert main(["race", "explore", f"{target}:scenario", "--quiet", "--switch", "gil"]) == ExitCode.HOLDS
+    bad = tmp_path / "bad.schedule"
+    bad.write_text(saved.read_text().replace("switch: gil", "switch: foo"))
+    capsys.readouterr()
+    assert main(["race", "explore", "--replay", str(bad)]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("isolab: error: ") and "switch is 'foo'" in err and err.count("\n") == 1, err

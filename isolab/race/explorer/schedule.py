@@ -27,7 +27,7 @@ from isolab.errors import InvalidRequestError
 from isolab.race.explorer.runtime import run_once
 from isolab.race.explorer.scenario import Scenario
 from isolab.race.explorer.task import RunLimits
-from isolab.race.explorer.types import ROOT, Execution, PendingPoint, SwitchMode, short_path
+from isolab.race.explorer.types import ROOT, Execution, ExitCode, PendingPoint, SwitchMode, short_path
 
 HEADER = "# isolab race schedule v1"
 _STEP = re.compile(r"^step (\d+): (\S+) at (\S+)#(\d+) \[(.*)\] -> (\S+)( preempt)?$")
@@ -126,6 +126,9 @@ def parse(text: str) -> Schedule:
     for key in ("scenario", "switch"):
         if key not in fields:
             raise InvalidRequestError(f"schedule file has no '{key}:' line")
+    if fields["switch"] not in {m.value for m in SwitchMode}:
+        raise InvalidRequestError(f"schedule file's switch is {fields['switch']!r}; it must be one of "
+                                  f"{', '.join(m.value for m in SwitchMode)}")
     return Schedule(scenario=fields["scenario"], switch=fields["switch"], outcome=fields.get("outcome", ""),
                     sources=sources, steps=tuple(steps), target=fields.get("target", ""))
 
@@ -178,15 +181,27 @@ class ReplayResult:
     divergence: str | None  # first diverging step of the first run that diverged
     changed_sources: tuple[str, ...]  # files whose hash differs from the saved one
     last: Execution
+    failed: int = 0  # runs that ended in a failure (the saved one or another)
+    inconclusive: int = 0  # runs a limit stopped, or the model could not run
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """BUG if any run failed; else INCONCLUSIVE if any run was, or the schedule could not be followed
+        (a divergence: such a replay shows nothing, the fix and a stale schedule alike); else HOLDS."""
+        if self.failed:
+            return ExitCode.BUG
+        if self.inconclusive or self.divergence:
+            return ExitCode.INCONCLUSIVE
+        return ExitCode.HOLDS
 
 
 def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLimits | None = None) -> ReplayResult:
     if scenario.name != schedule.scenario:
         raise InvalidRequestError(f"schedule is for {schedule.scenario}, not {scenario.name}")
-    mode = SwitchMode(schedule.switch)
+    mode = SwitchMode(schedule.switch)  # (parse checked it)
     now = source_hashes(scenario)
     changed = tuple(p for p, d in schedule.sources.items() if now.get(p) != d)
-    reproduced, divergence, last = 0, None, None
+    reproduced, failed, inconclusive, divergence, last = 0, 0, 0, None, None
     for _ in range(times):
         chooser = StrictReplayChooser(schedule, scenario.names)
         last = run_once(scenario, chooser, mode, record=True, limits=limits)
@@ -194,9 +209,11 @@ def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLi
             chooser.divergence = f"step {len(last.points)}: the run ended, the schedule goes on"
         if chooser.divergence is None and last.verdict == schedule.outcome:
             reproduced += 1
+        failed += bool(last.failed)
+        inconclusive += bool(last.outcome.is_inconclusive)
         divergence = divergence or chooser.divergence
     assert last is not None
-    return ReplayResult(times, reproduced, divergence, changed, last)
+    return ReplayResult(times, reproduced, divergence, changed, last, failed, inconclusive)
 
 
 __all__ = ["ROOT", "Schedule", "ScheduleStep", "absolute_target", "load", "parse", "replay", "save", "from_execution"]
