@@ -22,9 +22,9 @@ from isolab.errors import InvalidRequestError
 
 def parse_field(spec: str) -> dict:
     """'cache_prompt=false' -> {"cache_prompt": False}: the value is JSON when it parses, else a string."""
-    if "=" not in spec:
+    key, eq, value = spec.partition("=")
+    if not eq or not key.strip():
         raise InvalidRequestError(f"{spec!r}: write FIELD=VALUE, e.g. cache_prompt=false", field="no_cache_field")
-    key, value = spec.split("=", 1)
     try:
         return {key: json.loads(value)}
     except ValueError:

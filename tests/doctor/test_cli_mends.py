@@ -187,3 +187,12 @@ def test_tiny_run_ended_by_sigterm_leaves_no_temporary_folder(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err
     assert _scratch(tmp_path) == []
+
+
+@pytest.mark.parametrize("spec", ["=x", " =false", "nofield"])
+def test_a_no_cache_field_without_a_name_is_refused(spec):
+    from isolab.doctor.http_target import parse_field
+
+    with pytest.raises(InvalidRequestError, match="write FIELD=VALUE"):
+        parse_field(spec)
+    assert parse_field("cache_prompt=false") == {"cache_prompt": False}
