@@ -22,8 +22,8 @@ def parse_memory(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a GGUF path (Llama, Qwen2/3, Gemma 3) or a name: gemma3-270m "
-                   "(default: SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--model", default=None, help="a GGUF path (Llama, Qwen2/3, Gemma 3) or a name: "
+                   "smollm2-135m-instruct (the default: its Q4_1 GGUF), gemma3-270m")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activations and K/V (bf16)")
     g.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="native: multiply on the GGUF's quantized blocks (isolab/kernels/qgemm.cpp); dense: "
@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "numbers off the reference by the rounding; docs/engine.md)")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens a request may hold, prompt and output (default: the model's context length)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
     g.add_argument("--no-window-cache", action="store_true",
                    help="sliding-window layers (Gemma 3's local ones) keep every block, not only their window's")

@@ -25,8 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stress = sub.add_parser("stress", help="hammer a shared checker with real threads and count false accepts")
     stress.add_argument("--variant", default="buggy", help="variant name, comma list, or 'all' (default: buggy)")
     stress.add_argument("--threads", default="2,4,8,16,32", help="comma list of thread counts (default: 2,4,8,16,32)")
-    stress.add_argument("--requests", type=int, default=100_000, help="check() calls per run, over all threads")
-    stress.add_argument("--repeat", type=int, default=3, help="runs per (variant, threads)")
+    stress.add_argument("--requests", type=int, default=100_000,
+                        help="check() calls per run, over all threads (default: 100000)")
+    stress.add_argument("--repeat", type=int, default=3, help="runs per (variant, threads) (default: 3)")
     stress.add_argument("--right-share", type=float, default=0.5, help="share of threads sending the right passcode")
     stress.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the runs (s)")
     stress.add_argument("--json", type=Path, default=None, help="write every run to this JSON file")
@@ -34,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stress.set_defaults(func=_stress)
 
     explore = sub.add_parser("explore", help="explore thread interleavings of a scenario deterministically")
-    explore.add_argument("target", nargs="?", help="passcode:VARIANT, fixtures:NAME, module:name or file.py:name")
+    explore.add_argument("target", nargs="?",
+                         help="passcode:VARIANT, fixtures:NAME, workloads:NAME (--list), module:name or file.py:name")
     explore.add_argument("--switch", choices=("gil", "line", "opcode"), default="opcode",
                          help="where a thread may be switched out (default: opcode, the free-threaded stand-in)")
     explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded")
@@ -64,21 +66,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     explore.set_defaults(func=_explore)
 
     bench = sub.add_parser("bench", help="QPS per variant at 8 threads side by side, and explorer executions/s")
-    bench.add_argument("--requests", type=int, default=100_000)
-    bench.add_argument("--repeat", type=int, default=3)
-    bench.add_argument("--threads", type=int, default=8)
-    bench.add_argument("--json", type=Path, default=None)
+    bench.add_argument("--requests", type=int, default=100_000, help="check() calls per QPS run (default: 100000)")
+    bench.add_argument("--repeat", type=int, default=3, help="QPS runs per variant (default: 3)")
+    bench.add_argument("--threads", type=int, default=8, help="threads of every QPS run (default: 8)")
+    bench.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     bench.set_defaults(func=_bench)
 
     passcode = subparsers.add_parser("passcode", help="the seed's passcode service over HTTP")
     psub = passcode.add_subparsers(dest="passcode_command", metavar="SUBCOMMAND")
     passcode.set_defaults(func=lambda args: (passcode.print_help(), 2)[1])
     serve = psub.add_parser("serve", help="serve POST /check with a chosen checker variant (passcode from $ISOLAB_PASSCODE)")
-    serve.add_argument("--variant", default="lock_local")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
-    serve.add_argument("--max-attempts", type=int, default=10, help="attempts per client per window; 0 = no limit")
-    serve.add_argument("--window", type=float, default=60.0, help="rate-limit window in seconds")
+    serve.add_argument("--variant", default="lock_local", help="the checker variant (default: lock_local)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8765, help="port to listen on (default: 8765)")
+    serve.add_argument("--max-attempts", type=int, default=10,
+                       help="attempts per client per window; 0 = no limit (default: 10)")
+    serve.add_argument("--window", type=float, default=60.0, help="rate-limit window in seconds (default: 60)")
     serve.add_argument("--scrypt-n", type=int, default=2**14, help="scrypt cost (a power of two)")
     serve.set_defaults(func=_serve)
 

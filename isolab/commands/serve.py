@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, health, metrics)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="API keys -> tenants: JSON {\"key\": \"tenant\"} or lines 'KEY TENANT' "
                         "(also read from ISOLAB_API_KEYS='key1=tenantA,key2=tenantB')")
