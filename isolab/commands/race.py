@@ -37,25 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     explore = sub.add_parser("explore", help="explore thread interleavings of a scenario deterministically")
     explore.add_argument("target", nargs="?",
                          help="passcode:VARIANT, fixtures:NAME, workloads:NAME (--list), module:name or file.py:name")
-    explore.add_argument("--switch", choices=("gil", "line", "opcode"), default="opcode",
-                         help="where a thread may be switched out (default: opcode, the free-threaded stand-in)")
-    explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded")
-    explore.add_argument("--bound", type=int, default=2, help="preemption bound for 'bounded' (default 2)")
-    explore.add_argument("--seed", type=int, default=0, help="first PCT seed")
-    explore.add_argument("--runs", type=int, default=200, help="PCT runs")
-    explore.add_argument("--depth", type=int, default=2, help="PCT bug depth")
-    explore.add_argument("--count-all", action="store_true", help="run the whole bound and count losing schedules")
-    explore.add_argument("--no-shrink", action="store_true", help="keep the schedule exactly as found")
-    explore.add_argument("--save", type=Path, default=None, help="write the losing schedule to this file")
+    _add_search_args(explore)
     explore.add_argument("--replay", type=Path, default=None, help="replay a saved schedule instead of searching")
     explore.add_argument("--times", type=int, default=10, help="replays of --replay (default 10)")
     explore.add_argument("--list", action="store_true", help="list the built-in scenarios")
     explore.add_argument("--trace-module", action="append", default=[], metavar="MODULE",
                          help="also trace this module (repeatable); by default the target's folder and the "
                               "non-stdlib, non-site-packages modules it imports are traced")
-    explore.add_argument("--max-executions", type=int, default=100_000, help="execution budget (default 100000)")
-    explore.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                         help="stop searching after this long (exit 3 if nothing was found)")
     explore.add_argument("--max-steps", type=int, default=10_000,
                          help="choice points per execution before a thread counts as making no progress")
     explore.add_argument("--max-bytecodes", type=int, default=2_000_000,
@@ -84,6 +72,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--window", type=float, default=60.0, help="rate-limit window in seconds (default: 60)")
     serve.add_argument("--scrypt-n", type=int, default=2**14, help="scrypt cost (a power of two)")
     serve.set_defaults(func=_serve)
+
+
+def _add_search_args(explore: argparse.ArgumentParser) -> None:
+    """The flags of a search, which a --replay (its schedule fixes the switch mode and every step) refuses."""
+    explore.add_argument("--switch", choices=("gil", "line", "opcode"), default="opcode",
+                         help="where a thread may be switched out (default: opcode, the free-threaded stand-in)")
+    explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded")
+    explore.add_argument("--bound", type=int, default=2, help="preemption bound for 'bounded' (default 2)")
+    explore.add_argument("--seed", type=int, default=0, help="first PCT seed")
+    explore.add_argument("--runs", type=int, default=200, help="PCT runs")
+    explore.add_argument("--depth", type=int, default=2, help="PCT bug depth")
+    explore.add_argument("--count-all", action="store_true", help="run the whole bound and count losing schedules")
+    explore.add_argument("--no-shrink", action="store_true", help="keep the schedule exactly as found")
+    explore.add_argument("--save", type=Path, default=None, help="write the losing schedule to this file")
+    explore.add_argument("--max-executions", type=int, default=100_000, help="execution budget (default 100000)")
+    explore.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                         help="stop searching after this long (exit 3 if nothing was found)")
+
+
+def _search_flags_set(args: argparse.Namespace) -> list[str]:
+    """The search flags set away from their defaults, as typed."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_search_args(parser)
+    defaults = vars(parser.parse_args([]))
+    return [a.option_strings[0] for a in parser._actions if getattr(args, a.dest) != defaults[a.dest]]
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -160,7 +173,11 @@ def _explore(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--trace-module {name!r} is not a module name (e.g. mypkg.accounts)")
     _check_output(args.save, "--save")
     if args.replay is not None:
-        return run_replay(args.target, args.replay, args.times, limits_of(args))
+        found = _search_flags_set(args)
+        if found:  # (they were ignored without a word)
+            raise InvalidRequestError(f"{found[0]} belongs to a search; --replay follows its schedule file, which "
+                                      "fixes the switch mode and every step")
+        return run_replay(args.target, args.replay, args.times, limits_of(args), args.trace_module)
     if not args.target:
         raise InvalidRequestError("explore needs a TARGET (try --list)")
     return run_explore(args)

@@ -18,24 +18,25 @@ from isolab.race.explorer.task import RunLimits
 from isolab.race.explorer.types import ExitCode, SwitchMode
 
 
-def summary(report: ExploreReport) -> list[str]:
+def summary(report: ExploreReport, shrunk: bool = True) -> list[str]:
     s = report.search
     levels = ", ".join(f"{b} preemptions: {n}" for b, n in s.per_bound.items() if n)
     lines = [f"explore {s.scenario}  switch={s.mode}  strategy={s.strategy}"]
     if report.finding is None:
         if s.verdict is Verdict.INCONCLUSIVE:
-            lines.append(f"INCONCLUSIVE after {s.executions} executions in {s.seconds:.2f}s: {s.reason}")
+            lines.append(f"INCONCLUSIVE after {_n(s.executions, 'execution')} in {s.seconds:.2f}s: {s.reason}")
         else:
             scope = "every schedule within the bound" if s.exhausted else "the schedules tried"
-            lines.append(f"HOLDS: {scope} passed: {s.executions} executions in {s.seconds:.2f}s "
+            lines.append(f"HOLDS: {scope} passed: {_n(s.executions, 'execution')} in {s.seconds:.2f}s "
                          f"({s.executions_per_second:.0f}/s){'; ' + levels if levels else ''}")
         lines += _untraced(report)
         return lines
     f = report.finding
     ex = f.execution
     if s.failures > 1 or s.exhausted:
-        lines.append(f"losing schedules within the bound: {s.failures} of {s.executions}")
-    lines.append(f"FAILED after {s.executions} executions in {s.seconds:.2f}s ({levels})")
+        where = "schedules within the bound" if s.strategy.startswith("bounded") else "runs"
+        lines.append(f"losing {where}: {s.failures} of {s.executions}")
+    lines.append(f"FAILED after {_n(s.executions, 'execution')} in {s.seconds:.2f}s" + (f" ({levels})" if levels else ""))
     lines.append(f"  {ex.verdict}")
     if ex.gil_reachable:
         label = "reachable with the GIL"
@@ -49,9 +50,16 @@ def summary(report: ExploreReport) -> list[str]:
         verdict = (f"a GIL-faithful search also fails ({g.failure.message}) after {g.executions} executions"
                    if g.failure else f"a GIL-faithful search {g.verdict.value}: {g.executions} executions, {g.strategy}")
         lines.append(f"  {verdict}")
-    lines.append(f"  shrunk: {f.decisions_before} -> {f.decisions_after} scheduling decisions "
-                 f"({f.shrink_executions} more executions)")
+    if shrunk:
+        lines.append(f"  shrunk: {f.decisions_before} -> {f.decisions_after} scheduling decisions "
+                     f"({_n(f.shrink_executions, 'more execution')})")
+    else:
+        lines.append(f"  not shrunk (--no-shrink): {_n(f.decisions_before, 'scheduling decision')}")
     return lines + _untraced(report)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
 
 
 def _untraced(report: ExploreReport) -> list[str]:
@@ -79,8 +87,10 @@ def run_explore(args: argparse.Namespace) -> int:
     report = explore(scenario, SwitchMode(args.switch), args.bound, args.strategy, args.seed, args.runs,
                      args.depth, args.count_all, not args.no_shrink, limits_of(args),
                      None if args.quiet else _progress)
-    print("\n".join(summary(report)))
+    print("\n".join(summary(report, shrunk=not args.no_shrink)))
     if report.finding is None:
+        if args.save:
+            print(f"nothing saved to {args.save}: no losing schedule was found", file=sys.stderr)
         return int(report.verdict.exit_code)
     print()
     print(narrative.render(report.finding.execution, scenario.names))
@@ -90,10 +100,10 @@ def run_explore(args: argparse.Namespace) -> int:
     return int(ExitCode.BUG)
 
 
-def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits) -> int:
+def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits, trace_modules: list[str] = ()) -> int:  # type: ignore[assignment]
     gil.check_supported()
     schedule = load_schedule(path)
-    scenario = load(target or schedule.target or schedule.scenario)
+    scenario = load(target or schedule.target or schedule.scenario, trace_modules)
     result = replay(scenario, schedule, times, limits.run)
     print(f"replay {path} on {absolute_target(scenario.target or scenario.name)} (switch={schedule.switch}): "
           f"reproduced {result.reproduced} of {result.runs}  [saved outcome: {schedule.outcome}]")

@@ -141,3 +141,19 @@ def test_a_replay_whose_schedule_no_longer_applies_is_inconclusive(tmp_path: Pat
     assert main(["race", "explore", "--replay", str(bad)]) == ExitCode.USAGE
     err = capsys.readouterr().err
     assert err.startswith("isolab: error: ") and "switch is 'foo'" in err and err.count("\n") == 1, err
+
+
+def test_a_replay_refuses_the_flags_of_a_search(tmp_path: Path, capsys) -> None:
+    """--switch, --strategy, --save and the other search flags were ignored without a word beside
+    --replay (its schedule fixes the switch mode and every step): one sentence, exit 2. A search that
+    finds nothing says it saved nothing."""
+    saved = tmp_path / "b.schedule"
+    assert main(["race", "explore", "passcode:buggy", "--quiet", "--save", str(saved)]) == ExitCode.BUG
+    for flag in (["--switch", "gil"], ["--strategy", "pct"], ["--save", str(tmp_path / "x")], ["--bound", "3"],
+                 ["--no-shrink"]):
+        capsys.readouterr()
+        assert main(["race", "explore", "--replay", str(saved), *flag]) == ExitCode.USAGE
+        err = capsys.readouterr().err
+        assert f"{flag[0]} belongs to a search" in err and err.count("\n") == 1, err
+    assert main(["race", "explore", "passcode:lock_local", "--quiet", "--save", str(tmp_path / "none")]) == 0
+    assert "nothing saved" in capsys.readouterr().err and not (tmp_path / "none").exists()
