@@ -44,6 +44,8 @@ def test_clear_removes_only_what_isolab_wrote(caches):
     listed = json.loads(isolab("cache", "--json", env=env).stdout)
     w = next(r for r in listed if r["kind"] == "weights")
     assert w["entries"] == 2 and w["bytes"] == 8192
+    # a kind named twice is listed (and counted in all) once
+    assert [r["kind"] for r in json.loads(isolab("cache", "list", "weights", "weights", "--json", env=env).stdout)] == ["weights"]
     assert [s["name"] for s in w["stale"]] == [stale.name]
     text = isolab("cache", env=env).stdout
     assert "stale" in text and "isolab cache clear --stale" in text

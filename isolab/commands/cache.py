@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"no cache kind {unknown[0]!r}: choose from {', '.join(names)}", field="kinds")
     if action == "list" and args.stale:
         raise InvalidRequestError("--stale goes with `isolab cache clear`", field="stale")
-    chosen = [names[n] for n in words] or list(KINDS)
+    chosen = [names[n] for n in dict.fromkeys(words)] or list(KINDS)  # a kind named twice counts once
     if action == "clear":
         return _clear(chosen, args.stale, args.json)
     report = [_report(kind) for kind in chosen]
