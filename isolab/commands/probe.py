@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             thresholds=Thresholds(margin=args.margin, exact=args.exact), seed=args.seed, timeout_s=args.timeout,
         )
     except (ProbeUsageError, ValueError) as exc:
-        print(f"isolab probe: error: {exc}", file=sys.stderr)
+        print(f"isolab: error: {exc}", file=sys.stderr)  # (as every command)
         return EXIT_USAGE
     bar = tqdm(total=estimate_requests(cfg, len(cfg.api_keys) >= 2), unit="req", disable=args.no_progress or None,
                file=sys.stderr, dynamic_ncols=True)
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_probe_sync(cfg, on_request=lambda: bar.update(1), on_scenario=bar.set_description)
     except ProbeUsageError as exc:
         bar.close()
-        print(f"isolab probe: error: {exc}", file=sys.stderr)
+        print(f"isolab: error: {exc}", file=sys.stderr)  # (as every command)
         return EXIT_USAGE
     bar.close()
     if args.json:

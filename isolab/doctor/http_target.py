@@ -18,6 +18,7 @@ import httpx
 from isolab.doctor.symptoms import Result
 from isolab.doctor.workload import Item, word_variant
 from isolab.errors import InvalidRequestError
+from isolab.probe.client import check_base_url
 
 
 def parse_field(spec: str) -> dict:
@@ -43,12 +44,9 @@ class HttpTarget:
                  scope_field: str | None = "cache_salt", no_cache: dict | None = None, stagger_s: float = 0.02,
                  timeout_s: float = 120.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         try:
-            url = httpx.URL(base_url)
-        except (httpx.InvalidURL, TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"--base-url {base_url!r} is not a URL ({exc})", field="base_url") from None
-        if url.scheme not in ("http", "https") or not url.host:
-            raise InvalidRequestError(f"--base-url {base_url!r} is not an http:// or https:// URL, e.g. "
-                                      "http://127.0.0.1:8000", field="base_url")
+            check_base_url(base_url)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), field="base_url") from None
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"

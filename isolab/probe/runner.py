@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from isolab.probe.client import Identity, ProbeClient, ProbeUsageError
+from isolab.probe.client import Identity, ProbeClient, ProbeUsageError, check_base_url
 from isolab.probe.record import Completion
 from isolab.probe.scenarios import SCENARIOS, Context, Sizes, calibrate
 from isolab.probe.verdicts import Status, Thresholds, Verdict
@@ -36,6 +36,10 @@ class ProbeConfig:
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        try:
+            check_base_url(self.base_url)
+        except ValueError as exc:
+            raise ProbeUsageError(str(exc)) from None
         unknown = [s for s in self.scenarios if s not in SCENARIOS]
         if unknown:
             raise ProbeUsageError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")

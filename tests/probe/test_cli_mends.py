@@ -40,6 +40,15 @@ def test_values_that_make_no_sense_are_refused(flags, needle):
     one_sentence(isolab("probe", "--base-url", _closed_url(), "--no-progress", *flags), needle)
 
 
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:9", "127.0.0.1:8000", "http://"])
+def test_a_base_url_that_is_not_http_is_refused_as_the_doctor_refuses_it(url):
+    """(ftp:// was 'cannot reach ... UnsupportedProtocol' after the probe started); the prefix is every
+    command's `isolab: error:`."""
+    out = isolab("probe", "--base-url", url, "--no-progress")
+    one_sentence(out, "is not an http:// or https:// URL")
+    assert out.stderr.startswith("isolab: error: --base-url")
+
+
 @pytest.mark.parametrize("where", ["file", "under-a-file", "nested-under-a-file"])
 def test_unwritable_report_folder_is_refused_before_the_probe(tmp_path, where):
     f = tmp_path / "afile"
