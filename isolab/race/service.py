@@ -57,6 +57,9 @@ class Hasher:
         return Digest(hashlib.scrypt(passcode.encode(), salt=self.salt, n=self.n, r=8, p=1, dklen=32))
 
 
+ROUTES = {"/check": "POST", "/healthz": "GET"}  # path -> the method it takes
+
+
 class RateLimiter:
     """At most `max_attempts` per client in any `window` seconds (0 attempts = no limit)."""
 
@@ -67,17 +70,22 @@ class RateLimiter:
         self.seen: dict[str, deque[float]] = {}
 
     def allow(self, client: str) -> bool:
+        return self.wait(client) == 0.0
+
+    def wait(self, client: str) -> float:
+        """0.0, counting this attempt, if the client may try now; else the seconds until its oldest
+        attempt leaves the window (not counted)."""
         if self.max_attempts <= 0:
-            return True
+            return 0.0
         now = time.monotonic()
         with self.lock:
             q = self.seen.setdefault(client, deque())
             while q and now - q[0] > self.window:
                 q.popleft()
             if len(q) >= self.max_attempts:
-                return False
+                return max(self.window - (now - q[0]), 1e-3)
             q.append(now)
-            return True
+            return 0.0
 
 
 def check_settings(port: int, max_attempts: int, window: float) -> None:
@@ -112,23 +120,34 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
         def log_message(self, fmt: str, *args: object) -> None:  # method + path + status only
             log.info("%s %s", self.client_address[0], fmt % args)
 
-        def _reply(self, status: int, payload: dict) -> None:
+        def _reply(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.end_headers()
             self.wfile.write(body)
+
+        def _elsewhere(self, method: str) -> None:
+            """A path we serve with another method (405 naming it), or one we do not serve (404)."""
+            allowed = ROUTES.get(self.path.split("?", 1)[0])
+            if allowed is not None and allowed != method:
+                self._reply(405, {"error": f"{method} is not allowed on {self.path}: use {allowed}"},
+                            {"Allow": allowed})
+            else:
+                self._reply(404, {"error": "not found"})
 
         def do_GET(self) -> None:
             if self.path == "/healthz":
                 self._reply(200, {"ok": True, "variant": spec.name})
             else:
-                self._reply(404, {"error": "not found"})
+                self._elsewhere("GET")
 
         def do_POST(self) -> None:
             if self.path != "/check":
-                self._reply(404, {"error": "not found"})
+                self._elsewhere("POST")
                 return
             try:
                 length = int(self.headers.get("Content-Length", "-1"))
@@ -142,8 +161,9 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
                 self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
                 return
             raw = self.rfile.read(length)
-            if not limiter.allow(self.client_address[0]):
-                self._reply(429, {"error": "too many attempts"})
+            wait = limiter.wait(self.client_address[0])
+            if wait:
+                self._reply(429, {"error": "too many attempts"}, {"Retry-After": str(math.ceil(wait))})
                 return
             try:
                 candidate = json.loads(raw)["passcode"]

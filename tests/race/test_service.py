@@ -54,6 +54,24 @@ def test_service_checks_limits_and_never_logs_the_passcode(server: int, caplog) 
     assert "hunter2" not in logged and "wrong-guess" not in logged
 
 
+def test_the_wrong_method_is_a_405_naming_the_right_one_and_a_429_says_when(server: int) -> None:
+    """GET /check was a 404 (as if the path did not exist); a 429 carried no Retry-After."""
+    for method, path, allow in (("GET", "/check", "POST"), ("POST", "/healthz", "GET")):
+        conn = http.client.HTTPConnection("127.0.0.1", server, timeout=5)
+        conn.request(method, path, b"{}" if method == "POST" else None)
+        resp = conn.getresponse()
+        assert resp.status == 405 and resp.getheader("Allow") == allow and allow in json.loads(resp.read())["error"]
+        conn.close()
+    for _ in range(3):
+        _post(server, json.dumps({"passcode": "x"}).encode())
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=5)
+    conn.request("POST", "/check", json.dumps({"passcode": "x"}).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.status == 429 and 1 <= int(resp.getheader("Retry-After")) <= 60
+    conn.close()
+
+
 def test_loopback_load_catches_the_buggy_variant_only() -> None:
     runs = []
     for _ in range(3):  # probabilistic: retry a bounded number of times, stop at the first catch
