@@ -23,22 +23,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help='engine flags as for `isolab generate`, in one string: "--inject-fault coarse-key --kv-cache-memory 128KiB"')
     tgt.add_argument("--tiny", action="store_true", help="use a tiny random model (seconds, not minutes)")
     tgt.add_argument("--base-url", default=None, metavar="URL", help="diagnose an OpenAI-compatible server instead")
-    tgt.add_argument("--model-name", default=None, help="the server's model name (default: the first of /v1/models)")
-    tgt.add_argument("--api-key", default=None)
-    tgt.add_argument("--scope-field", default="cache_salt", help="the body field that carries an item's scope (server)")
-    tgt.add_argument("--no-cache-field", default=None, metavar="FIELD=VALUE",
-                     help="the per-request switch that turns the server's prompt cache off, e.g. cache_prompt=false")
+    _add_server_args(tgt)
     w = p.add_argument_group("workload and checks")
     w.add_argument("--workload", default=None, metavar="FILE.jsonl",
                    help='one {"prompt", "max_tokens"?, "temperature"?, "seed"?, "scope"?} a line (default: the built-in mix)')
     w.add_argument("--check", action="append", default=[], metavar="SPEC",
                    help="python:module:function(prompt, text) -> ok, or a regex every output must match (repeatable)")
     w.add_argument("--concurrency", default="1,2,4,8,16", help="the load sweep (1,2,4,8,16)")
-    w.add_argument("--tie-margin", type=float, default=0.1, help="server only: a first difference within this many nats is a near-tie")
     out = p.add_argument_group("output")
     out.add_argument("--json", default=None, metavar="FILE", help="write the findings and the verdict as JSON")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="plot the symptom rate against concurrency")
     p.set_defaults(func=run)
+
+
+def _add_server_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """The flags that only a --base-url target reads."""
+    g.add_argument("--model-name", default=None, help="the server's model name (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=None, help="the server's API key (sent as a Bearer token)")
+    g.add_argument("--scope-field", default="cache_salt", help="the body field that carries an item's scope (server)")
+    g.add_argument("--no-cache-field", default=None, metavar="FIELD=VALUE",
+                   help="the per-request switch that turns the server's prompt cache off, e.g. cache_prompt=false")
+    g.add_argument("--tie-margin", type=float, default=0.1,
+                   help="server only: a first difference within this many nats is a near-tie (0.1)")
+
+
+def _server_flags_set(args: argparse.Namespace) -> list[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_server_args(parser)
+    defaults = vars(parser.parse_args([]))
+    return [a.option_strings[0] for a in parser._actions if getattr(args, a.dest) != defaults[a.dest]]
 
 
 def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
@@ -91,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
     if not (math.isfinite(args.tie_margin) and args.tie_margin >= 0):
         raise InvalidRequestError(f"--tie-margin must be 0 or more nats, not {args.tie_margin}", field="tie_margin")
+    found = _server_flags_set(args) if not args.base_url else []
+    if found:  # (they were ignored without a word)
+        raise InvalidRequestError(f"{found[0]} is for a server: it needs --base-url (without it the engine runs in "
+                                  "this process)", field="base_url")
     checks = [parse_check(c) for c in args.check]
     items = load_jsonl(args.workload) if args.workload else builtin_workload()
     with scratch_folders() as tiny_dir:  # a --tiny model's folder goes when the command ends, however it ends

@@ -196,3 +196,10 @@ def test_a_no_cache_field_without_a_name_is_refused(spec):
     with pytest.raises(InvalidRequestError, match="write FIELD=VALUE"):
         parse_field(spec)
     assert parse_field("cache_prompt=false") == {"cache_prompt": False}
+
+
+@pytest.mark.parametrize("flag", [["--api-key", "k"], ["--model-name", "m"], ["--scope-field", "salt"],
+                                  ["--no-cache-field", "cache_prompt=false"], ["--tie-margin", "0.5"]])
+def test_server_flags_without_a_server_are_refused(flag):
+    """The flags only a --base-url target reads were ignored without a word on the engine in process."""
+    one_sentence(isolab("doctor", "--tiny", *flag, timeout=60), f"{flag[0]} is for a server: it needs --base-url")
