@@ -184,7 +184,7 @@ def test_under_every_onednn_isa_cap_the_engine_runs_an_invariant_path(tmp_path):
             assert r["invariant"], (cap, dname, r)
 
 
-def test_a_batch_variant_gemm_is_detected_and_refused(tmp_path, monkeypatch):
+def test_a_batch_variant_gemm_is_detected_and_refused(tmp_path, monkeypatch, caplog):
     """The protection switched off: split-k (a reduction order that changes at M >= 8) fails the
     check, and the chooser refuses it for the next path, saying why."""
     monkeypatch.setenv("ISOLAB_INVARIANCE_CACHE", str(tmp_path))
@@ -198,8 +198,11 @@ def test_a_batch_variant_gemm_is_detected_and_refused(tmp_path, monkeypatch):
     chosen = invariance.choose([(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True)
     assert chosen.gemm_path == "isolab" and chosen.invariant
     assert len(chosen.rejected) == 1 and "split-k" in chosen.rejected[0] and "NOT batch-invariant" in chosen.rejected[0]
-    forced = invariance.choose([(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True, forced="split-k")
+    with caplog.at_level("WARNING", logger=invariance.log.name):
+        forced = invariance.choose([(96, 64)], torch.bfloat16, torch.device("cpu"), (4, 2, 64), True, forced="split-k")
     assert forced.gemm_path == "split-k" and not forced.invariant
+    # the fault forced it: the warning says so rather than blaming the machine (selftest printed that)
+    assert "batch-variant-gemm fault" in caplog.text and "on this machine" not in caplog.text
 
 
 def test_the_verdict_is_cached_per_machine_and_shape(tmp_path, monkeypatch):
