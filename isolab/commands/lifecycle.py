@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from isolab.commands.outputs import check_output_path
     from isolab.errors import InvalidRequestError
     from isolab.lifecycle.draw import write_html, write_png
-    from isolab.lifecycle.trace import completeness, load
+    from isolab.lifecycle.trace import completeness, load, summary_lines
 
     out = str(args.out)
     if not out.endswith((".png", ".html", ".htm")):
@@ -31,16 +31,6 @@ def run(args: argparse.Namespace) -> int:
     if not trace.records:
         raise InvalidRequestError(f"the trace {args.trace} holds no events: was the engine run with --trace?", field="trace")
     (write_png if out.endswith(".png") else write_html)(trace, out, args.title)
-    c = completeness(trace)
-    print(f"{c['lives']} block lives over {trace.last_step} steps: {c['ended']} ended (freed or evicted), "
-          f"{c['still_held']} still held, {c['cached_idle']} cached and idle; {c['violations']} audit violations")
-    for v in trace.violations:
-        if v.get("access") == "write":  # the engine names the access (audit.py); older traces do not
-            print(f"  violation at step {v['step']}: block {v['block']} written by {v['request']}, "
-                  f"last written by {v.get('writer')} (a write it may not make)")
-        else:
-            print(f"  violation at step {v['step']}: block {v['block']} read by {v['request']}, written by {v.get('writer')}")
-    for problem in c["problems"]:
-        print(f"  incomplete: {problem}")
+    print("\n".join(summary_lines(trace)))
     print(f"wrote {out}")
-    return 0 if c["complete"] else 1
+    return 0 if completeness(trace)["complete"] else 1

@@ -51,10 +51,8 @@ def run_traced(bundle, trace_path: str | Path, *, faults: frozenset[str] = froze
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tempfile
-
     from isolab.lifecycle.draw import write_html, write_png
-    from isolab.lifecycle.trace import completeness, load
+    from isolab.lifecycle.trace import load, summary_lines
     from isolab.models.bundle import load_bundle
 
     ap = argparse.ArgumentParser(prog="python -m isolab.lifecycle.demo")
@@ -64,25 +62,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--audit", action="store_true")
     ap.add_argument("--model", default=None, help="default: the tiny random model")
     args = ap.parse_args(argv)
-    from isolab.commands.outputs import check_output_path
+    from isolab.commands.outputs import check_output_path, scratch_folders
 
     check_output_path(args.out, "--out", plot=not args.out.endswith(".html"))  # before the run, not after it
     check_output_path(args.trace, "--trace")
-    if args.model is None:
-        from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+    with scratch_folders() as scratch:  # the tiny model and an unkept trace go when the demo ends
+        if args.model is None:
+            from isolab.testing.tiny_model import TinySpec, write_tiny_llama
 
-        args.model = str(write_tiny_llama(tempfile.mkdtemp(prefix="isolab-") + "/tiny.gguf", TinySpec(layers=2, seed=1)))
-    bundle = load_bundle(args.model, "bf16", "cpu")
-    trace_path = args.trace or tempfile.mkdtemp(prefix="isolab-") + "/trace.jsonl"
-    problems = run_traced(bundle, trace_path, faults=frozenset(args.fault), audit=args.audit)
-    trace = load(trace_path)
+            args.model = str(write_tiny_llama(scratch() + "/tiny.gguf", TinySpec(layers=2, seed=1)))
+        bundle = load_bundle(args.model, "bf16", "cpu")
+        trace_path = args.trace or scratch() + "/trace.jsonl"
+        problems = run_traced(bundle, trace_path, faults=frozenset(args.fault), audit=args.audit)
+        trace = load(trace_path)
     what = f"fault {', '.join(args.fault)}" if args.fault else "healthy engine"
     title = (f"KV block lifecycle, {what}{' (audit mode)' if args.audit else ''}\n"
              f"mixed workload: a shared 40-token prefix, a {KV_BLOCKS}-block pool that recycles")
     (write_html if args.out.endswith(".html") else write_png)(trace, args.out, title)
-    print(completeness(trace))
+    print("\n".join(summary_lines(trace)))  # (as `isolab lifecycle` prints it: it printed a dict)
     for p in problems:
         print(" ", p[:200])
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -169,6 +169,22 @@ def load(path: str | Path) -> Trace:
     return build(read_records(path))
 
 
+def summary_lines(trace: Trace) -> list[str]:
+    """What `isolab lifecycle` and the demo print of a trace: its lives, each violation, what is missing."""
+    c = completeness(trace)
+    lines = [f"{c['lives']} block lives over {trace.last_step} steps: {c['ended']} ended (freed or evicted), "
+             f"{c['still_held']} still held, {c['cached_idle']} cached and idle; {c['violations']} audit violations"]
+    for v in trace.violations:
+        if v.get("access") == "write":  # the engine names the access (audit.py); older traces do not
+            lines.append(f"  violation at step {v['step']}: block {v['block']} written by {v['request']}, "
+                         f"last written by {v.get('writer')} (a write it may not make)")
+        else:
+            lines.append(f"  violation at step {v['step']}: block {v['block']} read by {v['request']}, "
+                         f"written by {v.get('writer')}")
+    lines += [f"  incomplete: {problem}" for problem in c["problems"]]
+    return lines
+
+
 def completeness(trace: Trace) -> dict:
     """Counts for the report: every life ended, still held, or cached and idle; and any problems."""
     ended = sum(1 for life in trace.lives if life.end_kind in ("freed", "evicted"))

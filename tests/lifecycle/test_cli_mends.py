@@ -79,3 +79,16 @@ def test_the_demo_refuses_bad_outputs_before_its_run(tmp_path, out, trace, needl
     argv = ["--out", str(tmp_path / out)] + (["--trace", str(tmp_path / trace)] if trace else [])
     res = subprocess.run([sys.executable, "-m", "isolab.lifecycle.demo", *argv], capture_output=True, text=True, timeout=60)
     one_sentence(res, needle)
+
+
+def test_the_demo_says_what_isolab_lifecycle_says_and_leaves_no_folder(tmp_path):
+    """It printed a Python dict, and left its tiny model and trace in two temporary folders."""
+    import os
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    res = subprocess.run([sys.executable, "-m", "isolab.lifecycle.demo", "--out", str(tmp_path / "d.png")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
+    assert res.returncode == 0, res.stderr
+    assert "block lives over" in res.stdout and "{" not in res.stdout and f"wrote {tmp_path / 'd.png'}" in res.stdout
+    assert (tmp_path / "d.png").stat().st_size > 0 and not list(scratch.iterdir())
