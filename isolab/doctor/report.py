@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from isolab.doctor.experiments import symptoms_by_kind
+from isolab.doctor.symptoms import Symptom
 from isolab.doctor.verdict import Findings, Verdict, to_json
 
 _SHORT = {"prefix_cache_hits_tokens": "hit tokens", "evictions": "evictions", "preemptions": "preemptions",
@@ -33,9 +34,16 @@ def print_report(f: Findings, v: Verdict) -> None:
     for a in v.answers:
         qs.add_row(a.question, f"[bold]{a.answer}", a.evidence)
     console.print(qs)
-    examples = [s for r in [f.alone, *f.sweep, f.variant, *f.nocache] for s in r.symptoms][:5]
-    for s in examples:
-        console.print(f"  e.g. {s.item_id} ({s.kind}): {s.detail}")
+    # up to 5 examples, each item once (the sweep's runs repeat the same items), named with its run
+    seen: set[tuple[str, str]] = set()
+    examples: list[tuple[str, Symptom]] = []
+    for r in [f.alone, *f.sweep, f.variant, *f.nocache]:
+        for s in r.symptoms:
+            if (s.item_id, s.kind) not in seen and len(examples) < 5:
+                seen.add((s.item_id, s.kind))
+                examples.append((r.label, s))
+    for label, s in examples:
+        console.print(f"  e.g. {s.item_id} in {label} ({s.kind}): {s.detail}")
     for w in f.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     if f.numerics is not None:

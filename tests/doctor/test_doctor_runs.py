@@ -33,7 +33,7 @@ EXPECTED = [(None, NO_SYMPTOM, set())] + [(f, *VERDICT.get(f, (CACHE_ISOLATION, 
 
 
 @pytest.mark.parametrize("fault,verdict,fired", EXPECTED, ids=[str(e[0]) for e in EXPECTED])
-def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
+def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired, capsys):
     """Healthy: no symptom; every cache fault: cache isolation; shared-rng: shared state, not the cache;
     a batch-variant GEMM: the numerics, never contamination."""
     out = tmp_path / "d.json"
@@ -48,6 +48,11 @@ def test_engine_doctor_verdicts(tiny_path, tmp_path, fault, verdict, fired):
         ids = {s["item_id"] for r in data["runs"]["sweep"] for s in r["symptoms"]}
         seeded = {it.item_id for it in builtin_workload() if it.seed is not None}
         assert ids and ids <= seeded
+    # the examples name each item once, with the run it was seen in (they repeated r10, r16, r10, ...)
+    examples = [ln.split(" (")[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith("  e.g. ")]
+    assert len(examples) == len({e.split(" in ")[0] for e in examples}) and all(" in " in e for e in examples)
+    if fault != "batch-variant-gemm":  # (its symptoms depend on the numerics; the verdict above is what counts)
+        assert bool(examples) == (fault is not None), examples
 
 
 def test_bad_engine_args_is_one_sentence(capsys):
