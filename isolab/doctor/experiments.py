@@ -29,6 +29,7 @@ class Target(Protocol):
     name: str
     exact: bool  # bit-exact engine: any difference from the solo run is a symptom
     can_disable_cache: bool
+    alone_label: str  # how the solo run is made, for the report's first row
 
     def prepare(self, items: Sequence[Item]) -> list[Item]: ...
 
@@ -44,6 +45,7 @@ class EngineTarget:
 
     exact = True
     can_disable_cache = True
+    alone_label = "alone (fresh engine each)"
 
     def __init__(self, llm_kwargs: dict, bundle: object | None = None) -> None:
         from isolab.models.bundle import load_bundle
@@ -151,7 +153,7 @@ def diagnose(
                   if s.kind != "differs"]
     # a server's cache outlives each alone request: a hit from another scope's alone request is a symptom too
     alone_sym += foreign_hits(getattr(target, "cross_scope_history", list)())
-    alone = RunRecord("alone (fresh engine each)", "original", None, True, len(items), alone_sym, {})
+    alone = RunRecord(target.alone_label, "original", None, True, len(items), alone_sym, {})
 
     def together(its: Sequence[Item], rf: dict[str, Result], c: int, cache: bool, content: str, chk: Sequence[Check]) -> RunRecord:
         log(f"together: concurrency {c}, prefix cache {'on' if cache else 'off'}, {content} content")

@@ -39,6 +39,7 @@ def _one_line(text: str) -> str:
 
 class HttpTarget:
     exact = False
+    alone_label = "alone (one request at a time)"  # (the server's engine is shared: no fresh one per request)
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  scope_field: str | None = "cache_salt", no_cache: dict | None = None, stagger_s: float = 0.02,

@@ -85,6 +85,7 @@ def test_server_doctor_on_a_mock(buggy, verdict):
     target = HttpTarget("http://mock", no_cache={"cache_prompt": False}, stagger_s=0, transport=_mock_server(buggy))
     f = diagnose(target, builtin_workload(), concurrencies=(1, 4))
     assert judge(f).verdict == verdict
+    assert f.alone.label == "alone (one request at a time)"  # (it said "fresh engine each" of a server)
 
 
 def test_a_server_that_rejects_everything_is_one_sentence():

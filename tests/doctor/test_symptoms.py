@@ -73,7 +73,7 @@ class ScriptedServer:
     """A stand-in for a server whose cache outlives each request: `hits` says what each (item, content)
     is served from the cache, `fails` which prompts the server refuses (alone and together alike)."""
 
-    name, exact, can_disable_cache = "scripted", True, False
+    name, exact, can_disable_cache, alone_label = "scripted", True, False, "alone"
 
     def __init__(self, hits=None, fails=()):
         self.hits, self.fails, self.history = hits or {}, set(fails), []
