@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from isolab.errors import InvalidRequestError
+
+log = logging.getLogger("isolab")
 
 MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
@@ -44,6 +47,13 @@ class GrammarSpec:
         if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
             raise InvalidRequestError(f"{field} must be a non-empty list of non-empty strings", field=field)
         return cls("choice", json.dumps(options), field)
+
+    @property
+    def ends_itself(self) -> bool:
+        """JSON: the grammar ends the output (EOS once the value is complete), and a stop string or token
+        that cut it short would leave text that parses as nothing, so stops do not apply to it. (A regex
+        or a choice list is the client's own language, which a stop may be part of.)"""
+        return self.kind in ("json_schema", "json_object")
 
     def key(self, tokenizer_fingerprint: str) -> str:
         h = hashlib.sha256()
@@ -141,13 +151,15 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias", "names a token twice")
-        if self.structured is not None and self.structured.kind in ("json_schema", "json_object"):
-            # JSON ends itself (EOS once the value is complete); cut short it parses as nothing. (A regex
-            # or a choice list is the client's own language, which a stop may be part of.)
-            for name in ("stop", "stop_token_ids"):
-                if getattr(self, name):
-                    raise bad(name, f"cannot go with a JSON structured output ({self.structured.field}): it would "
-                                    "end the output before the JSON is complete")
+        if self.structured is not None and self.structured.ends_itself:
+            # JSON ends itself (EOS once the value is complete), and cut short it parses as nothing, so a
+            # stop string or token does not apply to it (the server names them in x-isolab-ignored-params)
+            moot = [name for name in ("stop", "stop_token_ids") if getattr(self, name)]
+            if moot:
+                log.warning("%s ignored: a JSON structured output (%s) ends itself once complete",
+                            " and ".join(moot), self.structured.field)
+                object.__setattr__(self, "stop", ())
+                object.__setattr__(self, "stop_token_ids", ())
 
     @property
     def processes_logits(self) -> bool:

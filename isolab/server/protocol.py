@@ -69,6 +69,7 @@ class BaseRequest(NullsAreDefaults):
 
     model_config = ConfigDict(extra="ignore")
     _ignored: tuple[str, ...] = PrivateAttr(default=())
+    _moot: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="before")
     @classmethod
@@ -119,8 +120,13 @@ class BaseRequest(NullsAreDefaults):
 
     @property
     def ignored_params(self) -> tuple[str, ...]:
-        """Names of the body's fields that nobody defines here (their values are never kept)."""
-        return self._ignored
+        """Names of the body's fields that nobody defines here (their values are never kept), then those
+        the request makes moot (set_moot)."""
+        return self._ignored + self._moot
+
+    def set_moot(self, names: tuple[str, ...]) -> None:
+        """Fields we define that this request's other fields make moot (stop beside a JSON output)."""
+        self._moot = names
 
     model: str | None = Field(None, description="the served model's id; omitted means that model")
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None  # 0: completions with echo only (the prompt scored); chat: >= 1

@@ -85,7 +85,7 @@ class Serving:
         response = streamed(call, queue, cleanup) if call.stream else await collected(call, queue, request, cleanup)
         if body.ignored_params:  # names only (a value could quote the prompt), header-safe
             names = ",".join(quote(n[:64], safe="_-.[]") for n in body.ignored_params[:32])
-            log.info("ignored fields nobody defines: %s", names)
+            log.info("ignored fields (nobody defines them, or the request makes them moot): %s", names)
             response.headers["x-isolab-ignored-params"] = names
         return response
 
@@ -108,20 +108,24 @@ class Serving:
                 raise ApiError(400, f"tool_choice {plan.tools.mode} constrains the output already; drop "
                                f"{structured.field}", param=structured.field)
             structured = plan.tools.structured
+        # a JSON output ends itself: a stop string or token would only cut it (GrammarSpec.ends_itself)
+        moot = tuple(n for n in ("stop", "stop_token_ids") if getattr(body, n)) if structured and structured.ends_itself else ()
+        body.set_moot(moot)
+        stops, stop_ids = ((), ()) if moot else (body.stop_list(), self._stop_token_ids(body.stop_token_ids))
         for spec in (structured, plan.tools.check if plan.tools is not None else None):
             if spec is not None:
                 try:  # compile here (cached, shared): a bad schema is a 400 before anything is queued
                     self.grammars.compile(spec)
                 except InvalidRequestError as exc:
                     raise api_error(exc) from None
-        params = [self._sampling_params(body, plan, structured, seed_offset=j) for j in range(body.n)]
+        params = [self._sampling_params(body, plan, structured, stops, stop_ids, seed_offset=j) for j in range(body.n)]
         response_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         choices, engine_requests = [], []
         for p_i, ids in enumerate(plan.prompts):
             for j in range(body.n):
                 index = p_i * body.n + j
                 rid = f"{response_id}-{index}"
-                choices.append(Choice(index, rid, Detokenizer(self.tok, body.stop_list(), body.min_tokens),
+                choices.append(Choice(index, rid, Detokenizer(self.tok, stops, body.min_tokens),
                                       fmt.choice(index, plan.logprobs is not None, ids, plan.echo, plan.tools)))
                 engine_requests.append(EngineRequest(rid, ids, params[j]))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -129,13 +133,13 @@ class Serving:
                     body.stream, include_usage, arrival, self.metrics)
         return call, engine_requests
 
-    def _sampling_params(self, body: BaseRequest, plan: Plan, structured: GrammarSpec | None,
-                         seed_offset: int) -> SamplingParams:
+    def _sampling_params(self, body: BaseRequest, plan: Plan, structured: GrammarSpec | None, stops: tuple[str, ...],
+                         stop_ids: tuple[int, ...], seed_offset: int) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=plan.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=None if body.seed is None else (body.seed + seed_offset) % 2**64, stop=body.stop_list(),
-                stop_token_ids=self._stop_token_ids(body.stop_token_ids), ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
+                seed=None if body.seed is None else (body.seed + seed_offset) % 2**64, stop=stops,
+                stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=plan.logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=self._logit_bias(body.logit_bias),
                 min_p=body.min_p, min_tokens=body.min_tokens, structured=structured,

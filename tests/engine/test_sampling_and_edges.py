@@ -186,10 +186,10 @@ def test_a_max_model_len_beyond_the_models_context_is_refused_in_a_sentence(tiny
     assert LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, max_model_len=ctx).engine.max_model_len == ctx
 
 
-def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm):
+def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm, caplog):
     """top_k -1 is vLLM's off (read as 0); a negative seed (OpenAI's seeds are int64) is read as 64 bits,
-    torch's rule, and samples as that seed; a stop string or token cannot go with a JSON structured
-    output, which it would end before the JSON is complete."""
+    torch's rule, and samples as that seed; a stop string or token does not apply to a JSON structured
+    output (it ends itself once complete; a stop could only cut it), with a warning."""
     from isolab.sampling_params import GrammarSpec
 
     assert SamplingParams(top_k=-1).top_k == 0
@@ -199,7 +199,9 @@ def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm):
     assert a == b
     spec = GrammarSpec("json_object", "", "response_format")
     for kw, field in ((dict(stop=["x"]), "stop"), (dict(stop_token_ids=[3]), "stop_token_ids")):
-        with pytest.raises(InvalidRequestError, match=f"^{field} cannot go with a JSON structured output") as exc:
-            SamplingParams(structured=spec, **kw)
-        assert exc.value.field == field
-        SamplingParams(structured=GrammarSpec.choice(["yes", "no"]), **kw)  # a client's own language may hold a stop
+        with caplog.at_level("WARNING", logger="isolab"):
+            sp = SamplingParams(structured=spec, **kw)
+        assert sp.stop == () and sp.stop_token_ids == () and f"{field} ignored" in caplog.text
+        caplog.clear()
+        kept = SamplingParams(structured=GrammarSpec.choice(["yes", "no"]), **kw)  # a client's own language
+        assert getattr(kept, field) == tuple(kw[field]) and not caplog.text

@@ -98,14 +98,6 @@ def test_peer_extensions_are_honoured(srv, body, check, path):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
     ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    # a stop string or token would end the output before the structure is complete (a QA pass got
-    # '{"' with finish_reason stop, and a forced tool call's wrapper cut open as content)
-    ({"response_format": {"type": "json_object"}, "stop": ["city"]}, "stop"),
-    ({"guided_json": {"type": "object"}, "stop_token_ids": [5]}, "stop_token_ids"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-      "tool_choice": "required", "stop": "Paris"}, "stop"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["x"]}, "stop"),
 ])
 def test_bad_structured_requests_are_400_naming_the_field(srv, body, param):
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={"messages": MSG, "max_tokens": 5, **body})
@@ -208,3 +200,33 @@ def test_the_compiler_builds_its_tokenizer_on_first_use_and_keeps_a_bounded_cach
     assert list(compiler._cache) == [first.key, specs[2].key(compiler.fingerprint)]
     assert compiler.num_compiled == 3
     assert not compiler.matcher(first).is_error()
+
+
+SHORT = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+         "additionalProperties": False}  # (one the tiny model finishes within max_tokens)
+
+
+@pytest.mark.parametrize("body,moot", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SHORT}}, "stop": ["{", "\""]},
+     "stop"),
+    ({"guided_json": SHORT, "stop": "city", "stop_token_ids": [1, 2, 3, 4, 5]}, "stop,stop_token_ids"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SHORT}}],
+      "tool_choice": "required", "stop": ["city", "\""]}, "stop"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["{"]}, "stop"),
+])
+def test_stops_beside_a_json_output_do_not_cut_it_and_are_reported(srv, body, moot):
+    """A JSON output ends itself once complete; a stop string or token would only cut it (a QA pass got
+    '{"' with finish_reason stop, and a forced tool call's wrapper cut open as content). They do not
+    apply to it, and the reply names them in x-isolab-ignored-params. (OpenAI and vLLM take them, so
+    refusing them broke clients that set a model-wide stop.)"""
+    r = httpx.post(srv.base_url + "/chat/completions", headers=H,
+                   json={"messages": MSG, "max_tokens": 48, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-isolab-ignored-params"] == moot
+    choice = r.json()["choices"][0]
+    if "tools" in body:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+    else:
+        assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+    assert choice.get("stop_reason") is None
