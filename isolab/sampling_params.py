@@ -117,7 +117,7 @@ class SamplingParams:
         if not is_number(self.top_p) or not (0.0 <= float(self.top_p) <= 1.0):
             raise bad("top_p", f"must be in [0, 1], not {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", f"must be an integer >= 0 (0 or -1 = off), not {self.top_k!r}")
+            raise bad("top_k", f"must be an integer >= -1 (0 or -1 = off), not {self.top_k!r}")
         if self.top_k == -1:  # vLLM's "off" (its older releases take no other)
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)):

@@ -6,7 +6,7 @@ import argparse
 import json
 import platform
 
-from isolab.commands.common import add_engine_args, engine_flags_set, llm_kwargs
+from isolab.commands.common import add_engine_args, engine_flags_set, flags_set, llm_kwargs
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -96,13 +96,9 @@ def _refuse_url_flags(args: argparse.Namespace) -> None:
     from its default) would be silently ignored, so they are refused in one sentence."""
     from isolab.errors import InvalidRequestError
 
-    parser = argparse.ArgumentParser(add_help=False)
-    _add_request_args(parser)
-    defaults = vars(parser.parse_args([]))
-    for a in parser._actions:
-        if getattr(args, a.dest) != defaults[a.dest]:
-            raise InvalidRequestError(f"{a.option_strings[0]} shapes the requests sent to a server: it needs --url "
-                                      "(without it the engine runs in this process)", field=a.dest)
+    for option, dest in flags_set(args, _add_request_args)[:1]:
+        raise InvalidRequestError(f"{option} shapes the requests sent to a server: it needs --url "
+                                  "(without it the engine runs in this process)", field=dest)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError("--repeats and --compare run the engine in this process; with --url, run "
                                       "`isolab bench --url` once a server", field="url")
         _refuse_engine_flags(args)
+        from isolab.base_url import check_base_url
 
+        check_base_url(args.url, "--url")
         try:
             extra = json.loads(args.extra_body) if args.extra_body else None
         except json.JSONDecodeError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, KV_CACHE_DTYPES, WEIGHTS, MiB
 from isolab.faults import FAULTS
@@ -57,14 +58,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, metavar="FILE", help="write every block event to this JSONL file")
 
 
-def engine_flags_set(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(option, dest) of each engine flag (add_engine_args) set away from its default, in the order
-    the flags are declared: what a command that builds no engine, or builds its own, must refuse."""
+def flags_set(args: argparse.Namespace, add_args: Callable[[argparse.ArgumentParser], None]) -> list[tuple[str, str]]:
+    """(option, dest) of each flag `add_args` declares that `args` holds away from its default, in the
+    order they are declared: what a command refuses where those flags would be ignored."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
+    add_args(parser)
     defaults = vars(parser.parse_args([]))
     return [(a.option_strings[0], a.dest) for a in parser._actions
             if a.dest in defaults and getattr(args, a.dest) != defaults[a.dest]]
+
+
+def engine_flags_set(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The engine flags (add_engine_args) set: what a command that builds no engine, or builds its own, must refuse."""
+    return flags_set(args, add_engine_args)
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:

@@ -47,13 +47,6 @@ def _add_server_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> No
                    help="server only: a first difference within this many nats is a near-tie (0.1)")
 
 
-def _server_flags_set(args: argparse.Namespace) -> list[str]:
-    parser = argparse.ArgumentParser(add_help=False)
-    _add_server_args(parser)
-    defaults = vars(parser.parse_args([]))
-    return [a.option_strings[0] for a in parser._actions if getattr(args, a.dest) != defaults[a.dest]]
-
-
 def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
     """The engine flags in --engine-args, checked as the engine would check them (before any model is
     written or loaded); with --tiny and no --model, a tiny model written under tiny_dir()."""
@@ -104,10 +97,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
     if not (math.isfinite(args.tie_margin) and args.tie_margin >= 0):
         raise InvalidRequestError(f"--tie-margin must be 0 or more nats, not {args.tie_margin}", field="tie_margin")
-    found = _server_flags_set(args) if not args.base_url else []
+    from isolab.commands.common import flags_set
+
+    found = flags_set(args, _add_server_args) if not args.base_url else []
     if found:  # (they were ignored without a word)
-        raise InvalidRequestError(f"{found[0]} is for a server: it needs --base-url (without it the engine runs in "
-                                  "this process)", field="base_url")
+        raise InvalidRequestError(f"{found[0][0]} is for a server: it needs --base-url (without it the engine runs "
+                                  "in this process)", field="base_url")
     checks = [parse_check(c) for c in args.check]
     items = load_jsonl(args.workload) if args.workload else builtin_workload()
     with scratch_folders() as tiny_dir:  # a --tiny model's folder goes when the command ends, however it ends

@@ -19,7 +19,8 @@ def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folde
     a missing or unwritable parent folder, a folder where a file goes (or a file where a folder goes,
     with folder=True). make_parents: the writer makes missing folders, so the topmost missing one must
     be creatable instead. plot: a file matplotlib can write (a known image suffix, or none: png).
-    Nothing is created. None: no output asked for."""
+    A folder it would write in is tried by making an empty file there and removing it (on a mount that
+    forbids removal, that file stays); nothing else is created. None: no output asked for."""
     if path is None or str(path) in ("", "-"):
         return
     p = Path(path)
@@ -44,6 +45,8 @@ def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folde
             raise InvalidRequestError(f"{option} {str(p)!r} is a folder; name a file", field=option)
         if p.exists() and not os.access(p, os.W_OK):
             raise InvalidRequestError(f"{option} {str(p)!r} cannot be written (no permission)", field=option)
+        if p.exists():  # written in place (a file, a pipe: `--json >(jq .)` is /dev/fd/N): its folder is not asked
+            return
         target = p.parent
     target = target if str(target) else Path(".")
     if not target.is_dir():

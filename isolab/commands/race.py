@@ -91,14 +91,6 @@ def _add_search_args(explore: argparse.ArgumentParser) -> None:
                          help="stop searching after this long (exit 3 if nothing was found)")
 
 
-def _search_flags_set(args: argparse.Namespace) -> list[str]:
-    """The search flags set away from their defaults, as typed."""
-    parser = argparse.ArgumentParser(add_help=False)
-    _add_search_args(parser)
-    defaults = vars(parser.parse_args([]))
-    return [a.option_strings[0] for a in parser._actions if getattr(args, a.dest) != defaults[a.dest]]
-
-
 def _ints(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -171,12 +163,15 @@ def _explore(args: argparse.Namespace) -> int:
     for name in args.trace_module:  # ("" and ".x" were tracebacks from importlib)
         if not all(part.isidentifier() for part in name.split(".")):
             raise InvalidRequestError(f"--trace-module {name!r} is not a module name (e.g. mypkg.accounts)")
+    if args.replay is not None:
+        from isolab.commands.common import flags_set
+
+        found = flags_set(args, _add_search_args)
+        if found:  # (they were ignored without a word)
+            raise InvalidRequestError(f"{found[0][0]} belongs to a search; --replay follows its schedule file, which "
+                                      "fixes the switch mode and every step")
     _check_output(args.save, "--save")
     if args.replay is not None:
-        found = _search_flags_set(args)
-        if found:  # (they were ignored without a word)
-            raise InvalidRequestError(f"{found[0]} belongs to a search; --replay follows its schedule file, which "
-                                      "fixes the switch mode and every step")
         return run_replay(args.target, args.replay, args.times, limits_of(args), args.trace_module)
     if not args.target:
         raise InvalidRequestError("explore needs a TARGET (try --list)")

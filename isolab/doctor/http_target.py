@@ -15,16 +15,17 @@ from collections.abc import Sequence
 
 import httpx
 
+from isolab.base_url import check_base_url
 from isolab.doctor.symptoms import Result
 from isolab.doctor.workload import Item, word_variant
 from isolab.errors import InvalidRequestError
-from isolab.probe.client import check_base_url
 
 
 def parse_field(spec: str) -> dict:
     """'cache_prompt=false' -> {"cache_prompt": False}: the value is JSON when it parses, else a string."""
     key, eq, value = spec.partition("=")
-    if not eq or not key.strip():
+    key = key.strip()
+    if not eq or not key:
         raise InvalidRequestError(f"{spec!r}: write FIELD=VALUE, e.g. cache_prompt=false", field="no_cache_field")
     try:
         return {key: json.loads(value)}
@@ -44,10 +45,7 @@ class HttpTarget:
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
                  scope_field: str | None = "cache_salt", no_cache: dict | None = None, stagger_s: float = 0.02,
                  timeout_s: float = 120.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        try:
-            check_base_url(base_url)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), field="base_url") from None
+        check_base_url(base_url)
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"

@@ -336,7 +336,7 @@ def choose(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.devi
         if report.block_shapes and not report.gemm_ok and _only_blocks_differ(report):
             # the dense GEMM on GGUF blocks failed where the same path's panels may not: the model
             # keeps its panels (a verdict without block_shapes) rather than losing the whole path
-            rejected.append(f"{report.summary()}; its dense weights kept as panels")
+            rejected.append(f"{report.summary()}; GEMMs on GGUF blocks refused, the path kept with bf16 panels")
             report = check(path, shapes, dtype, device, heads, native, quant_shapes=quant_shapes,
                            quant_native=quant_native)
         first = first or report
@@ -358,7 +358,7 @@ def _only_blocks_differ(report: InvarianceReport) -> bool:
 
 def _log(report: InvarianceReport) -> None:
     for line in report.rejected:
-        log.warning("GEMM path refused: %s", line)
+        log.warning("%s: %s", "GEMM on GGUF blocks refused" if line.endswith("bf16 panels") else "GEMM path refused", line)
     if report.invariant:
         log.info("numerics %s (%s)", report.summary(), "cached" if report.cached else f"checked in {report.seconds:.1f} s")
     elif report.gemm_path == "split-k":  # asked for: the machine is not to blame

@@ -22,18 +22,6 @@ class ProbeUsageError(Exception):
     """The probe cannot run: bad arguments or an unreachable server. One sentence, exit code 2."""
 
 
-def check_base_url(base_url: str) -> httpx.URL:
-    """An OpenAI-compatible server's address as the black-box tools (probe, doctor) take it: http(s)
-    with a host, else ValueError with one sentence (e.g. ftp:// was 'cannot reach ... UnsupportedProtocol')."""
-    try:
-        url = httpx.URL(base_url)
-    except (httpx.InvalidURL, TypeError, ValueError) as exc:
-        raise ValueError(f"--base-url {base_url!r} is not a URL ({exc})") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"--base-url {base_url!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
-    return url
-
-
 @dataclass
 class Capabilities:
     logprobs: bool = True  # the server answers `logprobs: k` on /v1/completions

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from isolab.probe.client import Identity, ProbeClient, ProbeUsageError, check_base_url
+from isolab.base_url import check_base_url
+from isolab.probe.client import Identity, ProbeClient, ProbeUsageError
 from isolab.probe.record import Completion
 from isolab.probe.scenarios import SCENARIOS, Context, Sizes, calibrate
 from isolab.probe.verdicts import Status, Thresholds, Verdict

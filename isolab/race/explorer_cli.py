@@ -103,7 +103,7 @@ def run_explore(args: argparse.Namespace) -> int:
 def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits, trace_modules: list[str] = ()) -> int:  # type: ignore[assignment]
     gil.check_supported()
     schedule = load_schedule(path)
-    scenario = load(target or schedule.target or schedule.scenario, trace_modules)
+    scenario = load(target or schedule.target or schedule.scenario, (*schedule.trace_modules, *trace_modules))
     result = replay(scenario, schedule, times, limits.run)
     print(f"replay {path} on {absolute_target(scenario.target or scenario.name)} (switch={schedule.switch}): "
           f"reproduced {result.reproduced} of {result.runs}  [saved outcome: {schedule.outcome}]")

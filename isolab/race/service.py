@@ -140,13 +140,13 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
                 self._reply(404, {"error": "not found"})
 
         def do_GET(self) -> None:
-            if self.path == "/healthz":
+            if self.path.split("?", 1)[0] == "/healthz":
                 self._reply(200, {"ok": True, "variant": spec.name})
             else:
                 self._elsewhere("GET")
 
         def do_POST(self) -> None:
-            if self.path != "/check":
+            if self.path.split("?", 1)[0] != "/check":
                 self._elsewhere("POST")
                 return
             try:

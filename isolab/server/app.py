@@ -72,6 +72,12 @@ def create_app_over(backend: EngineBackend, facts: ModelFacts, tenants: TenantRe
     return app
 
 
+def waiting_requests(backend: EngineBackend) -> int:
+    """isolab_num_requests_waiting: the engine's queue and the submissions its thread has not taken
+    (their requests; an abort waits for nothing)."""
+    return int(backend.stats.get("waiting", 0)) + backend.num_pending_requests
+
+
 def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegistry,
                  config: ServerConfig) -> ServerState:
     if config.chat_template is not None:  # a template that cannot render refuses to start, in one sentence
@@ -85,10 +91,7 @@ def _build_state(backend: EngineBackend, facts: ModelFacts, tenants: TenantRegis
     names = config.served_model_names or facts.default_names
     capacity = facts.num_engines * (facts.max_num_seqs + config.max_queue)
 
-    def queue_length() -> int:
-        return int(backend.stats.get("waiting", 0)) + backend.num_pending_requests  # (an abort waits for nothing)
-
-    metrics = ServerMetrics(lambda: backend.stats, queue_length, facts.numerics)
+    metrics = ServerMetrics(lambda: backend.stats, lambda: waiting_requests(backend), facts.numerics)
     backend.register_metrics(metrics.registry)
     serving = Serving(backend, config, metrics, names, facts.tokenizer, facts.max_model_len, capacity, facts.grammars)
     return ServerState(config=config, tenants=tenants, engine_loop=backend, metrics=metrics, serving=serving,

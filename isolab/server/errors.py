@@ -92,7 +92,7 @@ def install_handlers(app: FastAPI) -> None:
         elif exc.status_code == 400 and message == "There was an error parsing the body":
             # (FastAPI's words for a parser failure other than a JSON syntax error; the gate has
             # already named a compressed body and one not in UTF-8)
-            message = "the body could not be parsed as JSON: it may be nested deeper than the parser takes"
+            message = "the body could not be parsed as JSON (nested too deeply, or a number too long)"
         return ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)

@@ -64,8 +64,9 @@ class Gate:
                 await ApiError(413, f"the body is larger than {self.state.config.max_body_bytes} bytes",
                                code="body_too_large").response()(scope, receive, send)
                 return
-            unreadable = _unreadable(scope, body)
+            unreadable = _unreadable(scope, body) if path in ROUTES else None  # (elsewhere: the 404 says more)
             if unreadable is not None:
+                self.state.metrics.rejected.labels("unreadable_body").inc()
                 await unreadable.response()(scope, receive, send)
                 return
             receive = _replay(body, receive)

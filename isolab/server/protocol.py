@@ -100,9 +100,11 @@ class BaseRequest(NullsAreDefaults):
         if isinstance(so, dict):  # e.g. vLLM's continuous_usage_stats
             out |= {f"stream_options.{k}" for k in so if k not in StreamOptions.model_fields}
         rf = data.get("response_format")
-        if isinstance(rf, dict):  # (a json_object's schema is refused: server/structured.py)
-            out |= {f"response_format.{k}" for k in rf if k not in ("type", "json_schema", "schema")}
-            js = rf.get("json_schema")
+        if isinstance(rf, dict):  # what its type reads (a json_object's schema is refused: server/structured.py)
+            reads: dict[str, tuple[str, ...]] = {"json_schema": ("type", "json_schema"), "json_object": ("type", "schema")}
+            read = reads.get(str(rf.get("type")), ("type",))
+            out |= {f"response_format.{k}" for k in rf if k not in read}
+            js = rf.get("json_schema") if rf.get("type") == "json_schema" else None
             if isinstance(js, dict):  # the name is an identifier; a description would guide OpenAI's model
                 out |= {f"response_format.json_schema.{k}" for k in js if k not in ("name", "schema", "strict")}
         return out

@@ -195,7 +195,7 @@ def test_a_no_cache_field_without_a_name_is_refused(spec):
 
     with pytest.raises(InvalidRequestError, match="write FIELD=VALUE"):
         parse_field(spec)
-    assert parse_field("cache_prompt=false") == {"cache_prompt": False}
+    assert parse_field("cache_prompt=false") == parse_field(" cache_prompt=false") == {"cache_prompt": False}
 
 
 @pytest.mark.parametrize("flag", [["--api-key", "k"], ["--model-name", "m"], ["--scope-field", "salt"],

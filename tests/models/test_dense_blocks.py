@@ -118,6 +118,6 @@ def test_blocks_that_fail_the_check_leave_the_panels(q4_path, monkeypatch, tmp_p
     m = LlamaModel(load_gguf(q4_path), "bf16", weights="dense")
     report = m.numerics
     assert report.gemm_path == "isolab" and report.invariant and not report.block_shapes
-    assert len(report.rejected) == 1 and "blocks" in report.rejected[0] and "kept as panels" in report.rejected[0]
+    assert len(report.rejected) == 1 and "blocks" in report.rejected[0] and "kept with bf16 panels" in report.rejected[0]
     kinds = {type(p) for w in m.linears() for p in (w.parts if isinstance(w, StackedWeight) else [w])}
     assert kinds == {Weight}, kinds

@@ -164,3 +164,21 @@ def test_an_output_folder_root_may_not_write_in_is_refused_before_the_work(capsy
     went first and failed at its end)."""
     one_sentence(["race", "stress", "--threads", "2", "--requests", "200", "--repeat", "1", "--json", "/proc/x.json"],
                  capsys, "cannot be written")
+
+
+def test_an_existing_file_or_a_pipe_is_written_in_place(tmp_path):
+    """`--json >(jq .)` names /dev/fd/N: written in place, so its folder (which no file can be made in)
+    is not asked; an existing file likewise."""
+    import os
+
+    from isolab.commands.outputs import check_output_path
+
+    r, w = os.pipe()
+    try:
+        check_output_path(f"/dev/fd/{w}", "--json")
+    finally:
+        os.close(r)
+        os.close(w)
+    (tmp_path / "x.json").write_text("{}")
+    check_output_path(tmp_path / "x.json", "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]  # and the folder check left nothing

@@ -157,3 +157,18 @@ def test_a_replay_refuses_the_flags_of_a_search(tmp_path: Path, capsys) -> None:
         assert f"{flag[0]} belongs to a search" in err and err.count("\n") == 1, err
     assert main(["race", "explore", "passcode:lock_local", "--quiet", "--save", str(tmp_path / "none")]) == 0
     assert "nothing saved" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
+def test_the_schedule_records_the_modules_traced_beyond_the_default(tmp_path: Path) -> None:
+    """A schedule found with --trace-module diverged on a replay without it (and a replay that cannot
+    follow its schedule now exits 3): the file names them and the replay traces them again."""
+    scenario = load("passcode:buggy", ["isolab.race.fixtures"])
+    report = explore(scenario, SwitchMode.GIL, bound=1)
+    assert report.finding is not None
+    schedule = report.finding.schedule
+    assert "isolab.race.fixtures" in schedule.trace_modules
+    text = schedule.render()
+    assert "\ntrace: " in text and parse(text).trace_modules == schedule.trace_modules
+    saved = tmp_path / "t.schedule"
+    save(saved, schedule)
+    assert main(["race", "explore", "--replay", str(saved), "--times", "2"]) == ExitCode.BUG

@@ -438,6 +438,7 @@ def test_the_waiting_gauge_counts_submitted_requests_not_aborts():
     import asyncio
 
     from isolab.sampling_params import SamplingParams
+    from isolab.server.app import waiting_requests
     from isolab.server.engine_loop import EngineLoop, EngineRequest, _Add
 
     class Stub:
@@ -446,14 +447,14 @@ def test_the_waiting_gauge_counts_submitted_requests_not_aborts():
 
     loop = EngineLoop(Stub())  # type: ignore[arg-type]
     loop.abort(["a", "b", "c"])
-    assert loop.num_pending_commands == 1 and loop.num_pending_requests == 0
+    assert loop.num_pending_commands == 1 and waiting_requests(loop) == 0
     ev = asyncio.new_event_loop()
     try:
         reqs = tuple(EngineRequest(f"r{i}", (1, 2), SamplingParams(max_tokens=1)) for i in range(2))
         loop._push(_Add(reqs, "scope", ev, asyncio.Queue(), ev.create_future()))
     finally:
         ev.close()
-    assert loop.num_pending_commands == 2 and loop.num_pending_requests == 2
+    assert loop.num_pending_commands == 2 and waiting_requests(loop) == 2
 
 
 def test_completions_top_logprobs_always_hold_the_sampled_token(srv):

@@ -173,9 +173,13 @@ def test_a_body_the_parser_cannot_read_says_why(srv):
     cases = [
         (raw.replace(b"hi", b"h\xffi"), {}, 400, "not UTF-8"),
         (gzip.compress(raw), {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
-        (b'{"prompt": "hi", "x": ' + b"[" * 50000 + b"]" * 50000 + b"}", {}, 400, "nested deeper"),
+        (b'{"prompt": "hi", "x": ' + b"[" * 50000 + b"]" * 50000 + b"}", {}, 400, "nested too deeply"),
     ]
+    before = srv.metrics().get('isolab_requests_rejected_total{reason="unreadable_body"}', 0.0)
     for body, headers, status, needle in cases:
         r = httpx.post(srv.url + "/v1/completions", content=body, headers={**H, **headers}, timeout=120)
         assert r.status_code == status and needle in r.json()["error"]["message"], (r.status_code, r.text)
+    assert srv.metrics()['isolab_requests_rejected_total{reason="unreadable_body"}'] == before + 2  # the gate's two
+    # a path nobody serves is a 404 whatever its body
+    assert httpx.post(srv.url + "/v1/nothing", content=b"\xff", headers={**H, "content-encoding": "gzip"}).status_code == 404
     assert _post(srv, "/v1/completions", raw).status_code == 200

@@ -142,7 +142,10 @@ def test_unknown_keys_inside_known_objects_are_reported_too(srv):
              "stream_options.continuous_usage_stats"),
             ("/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                    "response_format": {"type": "json_schema", "json_schema": js}},
-             "response_format.json_schema.description")):
+             "response_format.json_schema.description"),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "a"}],  # text reads no schema
+                                   "response_format": {"type": "text", "json_schema": js}},
+             "response_format.json_schema")):
         r = httpx.post(srv.base_url + path, headers=H, json={"max_tokens": 2, **body})
         assert r.status_code == 200 and r.headers["x-isolab-ignored-params"] == want, (r.status_code, r.headers)
     r = httpx.post(srv.base_url + "/chat/completions", headers=H, json={

@@ -54,10 +54,12 @@ class Schedule:
     sources: dict[str, str]  # short path -> sha256 prefix, as saved
     steps: tuple[ScheduleStep, ...]
     target: str = ""  # the TARGET string to load it again (a file target's absolute path)
+    trace_modules: tuple[str, ...] = ()  # traced beyond the default when it was found (--trace-module)
 
     def render(self) -> str:
         lines = [HEADER, f"scenario: {self.scenario}"] + ([f"target: {self.target}"] if self.target else [])
         lines += [f"switch: {self.switch}", f"outcome: {self.outcome}"]
+        lines += [f"trace: {','.join(self.trace_modules)}"] if self.trace_modules else []
         lines += [f"source: {path} sha256={digest}" for path, digest in sorted(self.sources.items())]
         for i, s in enumerate(self.steps):
             lines.append(f"step {i}: {s.thread} at {s.location}#{s.occurrence} [{s.what}] -> {s.chosen}"
@@ -88,7 +90,7 @@ def from_execution(scenario: Scenario, mode: SwitchMode, execution: Execution) -
     )
     return Schedule(scenario=scenario.name, switch=mode.value, outcome=execution.verdict,
                     sources=source_hashes(scenario), steps=steps,
-                    target=absolute_target(scenario.target or scenario.name))
+                    target=absolute_target(scenario.target or scenario.name), trace_modules=scenario.trace_modules)
 
 
 def absolute_target(target: str) -> str:
@@ -129,8 +131,9 @@ def parse(text: str) -> Schedule:
     if fields["switch"] not in {m.value for m in SwitchMode}:
         raise InvalidRequestError(f"schedule file's switch is {fields['switch']!r}; it must be one of "
                                   f"{', '.join(m.value for m in SwitchMode)}")
+    trace = tuple(m.strip() for m in fields.get("trace", "").split(",") if m.strip())
     return Schedule(scenario=fields["scenario"], switch=fields["switch"], outcome=fields.get("outcome", ""),
-                    sources=sources, steps=tuple(steps), target=fields.get("target", ""))
+                    sources=sources, steps=tuple(steps), target=fields.get("target", ""), trace_modules=trace)
 
 
 def save(path: Path, schedule: Schedule) -> None:
@@ -180,7 +183,7 @@ class ReplayResult:
     reproduced: int  # runs that ended with the saved outcome
     divergence: str | None  # first diverging step of the first run that diverged
     changed_sources: tuple[str, ...]  # files whose hash differs from the saved one
-    last: Execution
+    last: Execution  # the first run that failed, else the last run (what the narrative shows)
     failed: int = 0  # runs that ended in a failure (the saved one or another)
     inconclusive: int = 0  # runs a limit stopped, or the model could not run
 
@@ -201,7 +204,7 @@ def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLi
     mode = SwitchMode(schedule.switch)  # (parse checked it)
     now = source_hashes(scenario)
     changed = tuple(p for p, d in schedule.sources.items() if now.get(p) != d)
-    reproduced, failed, inconclusive, divergence, last = 0, 0, 0, None, None
+    reproduced, failed, inconclusive, divergence, last, first_failed = 0, 0, 0, None, None, None
     for _ in range(times):
         chooser = StrictReplayChooser(schedule, scenario.names)
         last = run_once(scenario, chooser, mode, record=True, limits=limits)
@@ -210,10 +213,11 @@ def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLi
         if chooser.divergence is None and last.verdict == schedule.outcome:
             reproduced += 1
         failed += bool(last.failed)
+        first_failed = first_failed or (last if last.failed else None)
         inconclusive += bool(last.outcome.is_inconclusive)
         divergence = divergence or chooser.divergence
     assert last is not None
-    return ReplayResult(times, reproduced, divergence, changed, last, failed, inconclusive)
+    return ReplayResult(times, reproduced, divergence, changed, first_failed or last, failed, inconclusive)
 
 
 __all__ = ["ROOT", "Schedule", "ScheduleStep", "absolute_target", "load", "parse", "replay", "save", "from_execution"]

@@ -1,0 +1,21 @@
+"""Owns reading the address of an OpenAI-compatible server, as the black-box tools take it (`isolab
+probe` and `isolab doctor` --base-url, `isolab bench --url`): http(s) with a host, or one sentence."""
+
+from __future__ import annotations
+
+import httpx
+
+from isolab.errors import InvalidRequestError
+
+
+def check_base_url(base_url: str, option: str = "--base-url") -> httpx.URL:
+    """The URL, or InvalidRequestError naming `option` (ftp:// and a bare host:port were 'cannot reach
+    ... UnsupportedProtocol' after the tool had started)."""
+    try:
+        url = httpx.URL(base_url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{option} {base_url!r} is not a URL ({exc})", field=option.lstrip("-")) from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise InvalidRequestError(f"{option} {base_url!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000",
+                                  field=option.lstrip("-"))
+    return url
