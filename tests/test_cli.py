@@ -96,6 +96,8 @@ def test_bench_repeats_must_be_positive():
     (["race", "bench", "--repeat", "0"], "--repeat must be at least 1"),  # it once ended in a traceback
     (["serve", "--no-auth", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more"),
     (["doctor", "--tie-margin", "nan"], "--tie-margin must be 0 or more"),
+    (["bench", "--url", "ftp://127.0.0.1:9"], "is not an http:// or https:// URL"),  # it was 'cannot reach'
+    (["doctor", "--base-url", "127.0.0.1:8000"], "is not an http:// or https:// URL"),
     # found by a black-box QA pass (session 35): each was a traceback, a hang or a silent misreading
     (["serve", "--no-auth", "--port", "70000"], "--port must be between 0 and 65535"),  # uvicorn took it as 4464
     (["serve", "--no-auth", "--host", "999.1.1.1"], "does not resolve"),
