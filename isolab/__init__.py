@@ -13,11 +13,12 @@ from isolab.errors import (
 
 if TYPE_CHECKING:  # for type checkers; at run time these load on first use (see __getattr__)
     from isolab.llm import LLM, CompletionOutput
-    from isolab.sampling_params import SamplingParams
+    from isolab.sampling_params import GrammarSpec, SamplingParams
 
 # The engine (and torch) load only when asked for: `isolab race` and `isolab probe` never pay
 # for them.
-_LAZY = {"LLM": "isolab.llm", "CompletionOutput": "isolab.llm", "SamplingParams": "isolab.sampling_params"}
+_LAZY = {"LLM": "isolab.llm", "CompletionOutput": "isolab.llm", "SamplingParams": "isolab.sampling_params",
+         "GrammarSpec": "isolab.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,6 +36,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "SamplingParams",
+    "GrammarSpec",
     "IsolabError",
     "InvalidRequestError",
     "IsolationViolation",

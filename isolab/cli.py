@@ -8,6 +8,8 @@ and exit code 2; nothing prints a stack trace unless ISOLAB_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -73,8 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def guarded(run: Callable[[], int]) -> int:
     """run() as a command: an IsolabError, or a file the system refused after the command's own checks
     (a write into /proc, say), is one sentence and exit 2; a closed pipe and Ctrl-C end quietly."""
+    if sys.stdout is None:  # started with its standard output closed (`>&-`): print() would fail deep inside
+        print("isolab: error: standard output is closed: give it somewhere to write (a file, /dev/null)", file=sys.stderr)
+        return 2
     try:
-        return run()
+        code = run()
+        sys.stdout.flush()  # a full disk or a bad descriptor shows here, not as a traceback at exit
+        return code
     except IsolabError as exc:
         if os.environ.get("ISOLAB_DEBUG"):
             raise
@@ -86,7 +93,14 @@ def guarded(run: Callable[[], int]) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 141
     except OSError as exc:
-        if os.environ.get("ISOLAB_DEBUG") or exc.filename is None:
+        if os.environ.get("ISOLAB_DEBUG"):
+            raise
+        if exc.filename is None and exc.errno in (errno.ENOSPC, errno.EBADF, errno.EIO, errno.EDQUOT):
+            print(f"isolab: error: cannot write the output: {exc.strerror or exc}", file=sys.stderr)
+            with contextlib.suppress(OSError):  # (what is left in the buffer would fail again at exit)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 2
+        if exc.filename is None:
             raise
         print(f"isolab: error: cannot use {str(exc.filename)!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ Derived values come back as a new config (dataclasses.replace), never by mutatio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from isolab.errors import InvalidRequestError
@@ -20,6 +21,22 @@ DEFAULT_MAX_NUM_SEQS = 256
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def memory_bytes(text: str) -> int:
+    """'256MiB', '1GiB', '512M', or a plain number of bytes; InvalidRequestError otherwise."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except (ValueError, OverflowError):  # (int of an infinite float overflows)
+        raise InvalidRequestError(f"{text!r} is not a size (try 256MiB or 1GiB)", field="kv_cache_memory") from None
 
 
 @dataclass(frozen=True)
@@ -42,8 +59,16 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):  # as the CLI takes it: "1GiB"
+            object.__setattr__(self, "kv_cache_memory", memory_bytes(self.kv_cache_memory))
+        for name in ("block_size", "kv_cache_memory"):  # (a float or another string reached the pool's maths)
+            if not _whole(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a whole number, not {getattr(self, name)!r}", field=name)
         if self.block_size < 1 or self.block_size > 1024:
             raise InvalidRequestError("block_size must be between 1 and 1024", field="block_size")
+        if self.block_size % 2:  # (an odd one gave wrong bf16 outputs that the start-up check did not see)
+            raise InvalidRequestError(f"block_size must be even: the bf16 pool stores V in pairs of keys, not "
+                                      f"{self.block_size}", field="block_size")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                       f"not {self.kv_cache_dtype!r}", field="kv_cache_dtype")
@@ -62,6 +87,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens computed per step (prompt chunks + decode tokens)
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not _whole(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a whole number, not {getattr(self, name)!r}", field=name)
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be at least 1", field="max_num_seqs")
         if self.max_num_batched_tokens < 1:
@@ -87,6 +115,14 @@ class EngineConfig:
     faults: Faults = field(init=False, default=Faults())
 
     def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str | os.PathLike):
+            raise InvalidRequestError(f"model must be a GGUF path or a model name, not {type(self.model).__name__}",
+                                      field="model")
+        if self.max_model_len is not None and not _whole(self.max_model_len):
+            raise InvalidRequestError(f"max_model_len must be a whole number, not {self.max_model_len!r}",
+                                      field="max_model_len")
+        if isinstance(self.inject_faults, str):  # (a string was read as its characters: "unknown fault 'a'")
+            object.__setattr__(self, "inject_faults", frozenset({self.inject_faults}))
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
         if self.weights not in WEIGHTS:
@@ -122,5 +158,6 @@ def build_engine_config(
         model=model, dtype=dtype, device=device, gemm=gemm, weights=weights,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache, kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-        max_model_len=max_model_len, audit=audit, inject_faults=frozenset(inject_faults), trace_path=trace_path,
+        max_model_len=max_model_len, audit=audit, trace_path=trace_path,
+        inject_faults=frozenset({inject_faults} if isinstance(inject_faults, str) else inject_faults),
     )

@@ -151,6 +151,9 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias", "names a token twice")
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            raise bad("structured", f"must be a GrammarSpec (e.g. GrammarSpec.json_schema(schema)), not "
+                                    f"{type(self.structured).__name__}")
         if self.structured is not None and self.structured.ends_itself:
             # JSON ends itself (EOS once the value is complete), and cut short it parses as nothing, so a
             # stop string or token does not apply to it (the server names them in x-isolab-ignored-params)

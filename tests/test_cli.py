@@ -97,6 +97,8 @@ def test_bench_repeats_must_be_positive():
     (["serve", "--no-auth", "--drain-timeout", "-1"], "--drain-timeout must be 0 or more"),
     (["doctor", "--tie-margin", "nan"], "--tie-margin must be 0 or more"),
     (["bench", "--url", "ftp://127.0.0.1:9"], "is not an http:// or https:// URL"),  # it was 'cannot reach'
+    (["generate", "hi", "--block-size", "3"], "block_size must be even"),  # it gave wrong bf16 outputs
+    (["generate", "hi", "--kv-cache-memory", "1e30G"], "the KV pool cannot be mapped"),  # an OverflowError
     (["doctor", "--base-url", "127.0.0.1:8000"], "is not an http:// or https:// URL"),
     # found by a black-box QA pass (session 35): each was a traceback, a hang or a silent misreading
     (["serve", "--no-auth", "--port", "70000"], "--port must be between 0 and 65535"),  # uvicorn took it as 4464
@@ -245,3 +247,15 @@ def test_bench_url_against_a_web_page_says_so_in_one_line(tmp_path):
         web.shutdown()
     one_sentence(out, "answered HTTP 404: an HTML page")
     assert "<html" not in out.stderr.lower()
+
+
+def test_an_output_that_cannot_be_written_is_one_sentence(tiny_path):
+    """stdout closed (`>&-`) was an AttributeError deep in print, and a full device (/dev/full) a traceback
+    at exit; a closed pipe stays quiet (141)."""
+    argv = [sys.executable, "-m", "isolab.cli", "generate", "1, 2, 3,", "--model", str(tiny_path), "--max-tokens", "8"]
+    closed = subprocess.run(["sh", "-c", '"$@" >&-', "sh", *argv], stderr=subprocess.PIPE, text=True, timeout=180)
+    assert closed.returncode == 2 and "standard output is closed" in closed.stderr and "Traceback" not in closed.stderr
+    with open("/dev/full", "w") as full:
+        out = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=180)
+    assert out.returncode == 2 and "cannot write the output" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -5,20 +5,25 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, GEMMS, KV_CACHE_DTYPES, WEIGHTS, MiB
+from isolab.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MAX_NUM_SEQS,
+    GEMMS,
+    KV_CACHE_DTYPES,
+    WEIGHTS,
+    MiB,
+    memory_bytes,
+)
+from isolab.errors import InvalidRequestError
 from isolab.faults import FAULTS
 
 
 def parse_memory(text: str) -> int:
-    """'256MiB', '1GiB', '512M', or a plain number of bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().replace("ib", "").replace("b", "")
+    """'256MiB', '1GiB', '512M', or a plain number of bytes (config.memory_bytes), as an argparse type."""
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except (ValueError, OverflowError):  # (int of an infinite float overflows)
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (try 256MiB or 1GiB)") from None
+        return memory_bytes(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "auto: native where isolab's kernels run")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.add_argument("--gemm", choices=GEMMS, default=None,
-                   help="the GEMM path (default: the first that passes the start-up invariance check: isolab's own "
-                        "GEMM wherever a C++ compiler is; docs/engine.md, Numerics)")
+                   help="the dense GEMM path (default: the first that passes the start-up invariance check: isolab's "
+                        "own GEMM wherever a C++ compiler is; docs/engine.md, Numerics); native weights multiply on "
+                        "their quantized blocks whatever it says, so it matters with --weights dense")
     g.add_argument("--kv-cache-memory", type=parse_memory, default=DEFAULT_KV_CACHE_MEMORY,
                    help=f"bytes for the KV pool ({DEFAULT_KV_CACHE_MEMORY // MiB}MiB)")
     g.add_argument("--block-size", type=int, default=16,

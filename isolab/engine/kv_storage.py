@@ -116,9 +116,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     try:
         pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as exc:  # ENOMEM: more address space than the OS will map (overcommit rules)
+    except (OSError, OverflowError) as exc:  # ENOMEM: more than the OS will map; Overflow: past a size_t
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "more than an address can hold"
         raise InvalidRequestError(f"the KV pool cannot be mapped (a layer's share alone is {nbytes / 2**30:,.1f} GiB: "
-                                  f"{exc.strerror or exc}); give a smaller kv_cache_memory",
+                                  f"{why}); give a smaller kv_cache_memory",
                                   field="kv_cache_memory") from None
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # also where transparent huge pages are "always"
         pages.madvise(mmap.MADV_NOHUGEPAGE)

@@ -6,7 +6,8 @@ in), so one call costs O(len(new text) + longest stop string), not a re-decode o
 Does not finish requests (the scheduler does) nor decode tokens (the request's Detokenizer).
 
 Order of the rules, first match wins (before min_tokens output tokens, only rules 0 and 4):
-  0. the request's grammar is complete (structured outputs): "stop", no stop_reason;
+  0. the request's grammar is complete (structured outputs): "stop", no stop_reason (but a stop
+     string the same token completed, which cuts the text all the same);
   1. the tokenizer's EOS (unless ignore_eos): "stop", no stop_reason;
   2. a token of stop_token_ids: "stop", stop_reason = the token;
   3. a stop string that ends in the new text: "stop", stop_reason = the string;
@@ -58,7 +59,10 @@ def check_stop(
     """After `token` was appended: the decision, or None to go on. text: the output decoded so far.
     Before min_tokens output tokens only the length rule applies."""
     if grammar_done:  # the structured output is complete: nothing but EOS may follow
-        return StopDecision(RequestStatus.FINISHED_STOPPED, None)
+        # (a stop string the same token completed cuts the text all the same: it is the reason then)
+        s = stop_string_in(text, new_text_len, tuple(params.stop)) \
+            if params.stop and num_output_tokens >= params.min_tokens else None
+        return StopDecision(RequestStatus.FINISHED_STOPPED, s)
     if num_output_tokens < params.min_tokens:
         full = num_output_tokens >= params.max_tokens or num_tokens >= max_model_len
         return StopDecision(RequestStatus.FINISHED_LENGTH, None) if full else None

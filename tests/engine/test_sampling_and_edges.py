@@ -205,3 +205,33 @@ def test_vllms_top_k_off_int64_seeds_and_no_stop_inside_a_grammar(llm, caplog):
         caplog.clear()
         kept = SamplingParams(structured=GrammarSpec.choice(["yes", "no"]), **kw)  # a client's own language
         assert getattr(kept, field) == tuple(kw[field]) and not caplog.text
+
+
+def test_a_stop_string_the_grammars_last_token_completes_is_the_stop_reason(llm):
+    """The text is cut at the stop string either way; the reason named no stop when the same token also
+    completed the grammar (a black-box QA pass: text 'P', stop_reason None)."""
+    from isolab.sampling_params import GrammarSpec
+
+    sp = SamplingParams(max_tokens=8, temperature=0, structured=GrammarSpec.choice(["Paris"]), stop=["ar"])
+    out = llm.generate("The capital of France is", sp)[0]
+    assert out.text == "P" and out.finish_reason == "stop" and out.stop_reason == "ar", out
+    with pytest.raises(InvalidRequestError, match="^structured must be a GrammarSpec"):
+        SamplingParams(structured="json")  # type: ignore[arg-type]  (an AttributeError before)
+
+
+def test_engine_options_of_the_wrong_kind_are_one_sentence():
+    """LLM(...)'s options as a user may pass them: a float or a string reached the pool's maths (raw
+    TypeErrors), an odd block size gave wrong bf16 outputs (V is stored in pairs of keys) that the
+    start-up check did not see, and a single fault name was read as its characters."""
+    from isolab.config import build_engine_config
+
+    for kw, needle in ((dict(kv_cache_memory=1.5e6), "kv_cache_memory must be a whole number"),
+                       (dict(kv_cache_memory="lots"), "is not a size"),
+                       (dict(block_size=16.0), "block_size must be a whole number"),
+                       (dict(block_size=3), "block_size must be even"),
+                       (dict(max_num_seqs=2.0), "max_num_seqs must be a whole number"),
+                       (dict(model=123), "model must be a GGUF path")):
+        with pytest.raises(InvalidRequestError, match=needle):
+            build_engine_config(**kw)
+    assert build_engine_config(kv_cache_memory="64MiB").cache.kv_cache_memory == 64 << 20  # as the CLI takes it
+    assert build_engine_config(inject_faults="shared-rng").inject_faults == frozenset({"shared-rng"})
