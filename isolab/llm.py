@@ -7,6 +7,7 @@ CompletionOutput per prompt, in order.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -91,7 +92,7 @@ class LLM:
         if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray):  # (bytes: text, not ids)
             raise InvalidRequestError("prompts are text, token ids, or a list of either, not "
                                       f"{type(prompts).__name__}", field="prompt")
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, numbers.Integral) for t in prompts)):
             prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]

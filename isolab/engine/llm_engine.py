@@ -16,6 +16,7 @@ threaded by design: one caller drives step(). The server runs it in one thread.
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -158,8 +159,10 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token", field="prompt")
         vocab = self.bundle.hparams.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+        # integers of any kind (numpy's too: they were refused as not integers), never bools (True was id 1)
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", field="prompt")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
         for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
             outside = [t for t in ids if t >= vocab]
             if outside:  # (as the server's 400: a token the model cannot produce is a mistake, not a no-op)

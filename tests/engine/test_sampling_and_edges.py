@@ -235,3 +235,15 @@ def test_engine_options_of_the_wrong_kind_are_one_sentence():
             build_engine_config(**kw)
     assert build_engine_config(kv_cache_memory="64MiB").cache.kv_cache_memory == 64 << 20  # as the CLI takes it
     assert build_engine_config(inject_faults="shared-rng").inject_faults == frozenset({"shared-rng"})
+
+
+def test_numpy_token_ids_are_token_ids_and_bools_are_not(llm):
+    """Token ids from numpy (np.int64) were refused as 'not integers'; True and False were taken as ids 1 and 0."""
+    import numpy as np
+
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate([5, 6, 7], sp)[0].token_ids
+    assert llm.generate([np.int64(5), np.int32(6), np.uint16(7)], sp)[0].token_ids == want
+    assert llm.generate([[np.int64(5), 6, 7], "the cat"], sp)[0].token_ids == want
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be integers"):
+        llm.generate([[True, False, 5]], sp)
