@@ -10,7 +10,7 @@ import itertools
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 from isolab.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_SEQS, build_engine_config
 from isolab.engine.detokenize import Detokenizer
@@ -98,7 +98,7 @@ class LLM:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if not prompt_list:
             return []
-        return self._run([self._prompt_ids(p) for p in prompt_list], params, cache_scope, on_step)
+        return self._run(_each(prompt_list, self._prompt_ids, "prompt"), params, cache_scope, on_step, "prompt")
 
     def chat(
         self,
@@ -111,8 +111,8 @@ class LLM:
             raise InvalidRequestError("chat takes a conversation (a list of {'role', 'content'} messages) or a list "
                                       f"of them, not {type(conversations).__name__}", field="messages")
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
-        ids = [self.tokenizer.apply_chat_template(_for_template(c)) for c in convs]  # type: ignore[arg-type]
-        return self._run(ids, params, cache_scope, None)
+        ids = _each(convs, lambda c: self.tokenizer.apply_chat_template(_for_template(c)), "conversation")  # type: ignore[arg-type]
+        return self._run(ids, params, cache_scope, None, "conversation")
 
     def _run(
         self,
@@ -120,6 +120,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         cache_scope: str | None,
         on_step: Callable[[list[RequestOutput]], None] | None,
+        what: str = "prompt",
     ) -> list[CompletionOutput]:
         if params is None:
             params = SamplingParams()
@@ -135,9 +136,11 @@ class LLM:
         ids = [f"gen-{next(self._ids)}" for _ in prompt_ids]
         added: list[str] = []
         try:
-            for rid, p, sp in zip(ids, prompt_ids, plist, strict=True):
-                self.engine.add_request(rid, p, sp, cache_scope)
-                added.append(rid)
+            def add(item: tuple[str, list[int], SamplingParams]) -> None:
+                self.engine.add_request(item[0], item[1], item[2], cache_scope)
+                added.append(item[0])
+
+            _each(list(zip(ids, prompt_ids, plist, strict=True)), add, what)
             final: dict[str, RequestOutput] = {}
             lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
             plps: dict[str, tuple[TokenLogprob, ...]] = {}
@@ -184,6 +187,24 @@ class LLM:
             detok.push((i,))
         detok.finish()
         return detok.sent
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _each(items: Sequence[T], fn: Callable[[T], R], what: str) -> list[R]:
+    """fn over items; where there is more than one, an InvalidRequestError says which (from 0): "prompt
+    2: the prompt is empty" (a batch's error named none)."""
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(fn(item))
+        except InvalidRequestError as exc:
+            if len(items) == 1:
+                raise
+            raise type(exc)(f"{what} {i}: {exc}", field=exc.field) from None
+    return out
 
 
 def _for_template(conversation: Sequence[Message]) -> list[Message]:

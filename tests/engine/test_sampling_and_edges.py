@@ -247,3 +247,21 @@ def test_numpy_token_ids_are_token_ids_and_bools_are_not(llm):
     assert llm.generate([[np.int64(5), 6, 7], "the cat"], sp)[0].token_ids == want
     with pytest.raises(InvalidRequestError, match="prompt token ids must be integers"):
         llm.generate([[True, False, 5]], sp)
+
+
+def test_an_error_in_a_batch_names_its_prompt_or_conversation(llm):
+    """With more than one prompt the error says which (from 0), keeping its type and field; with one it
+    reads as before. Nothing stays queued."""
+    from isolab.errors import PromptTooLongError
+
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="^prompt 1: the prompt is empty"):
+        llm.generate(["fine", ""], sp)
+    with pytest.raises(PromptTooLongError, match="^prompt 2: the prompt has") as exc:
+        llm.generate(["a", "b", [5] * 100_000], sp)
+    assert exc.value.field == "prompt"
+    with pytest.raises(InvalidRequestError, match="^conversation 1: "):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]], sp)
+    with pytest.raises(InvalidRequestError, match="^the prompt is empty"):
+        llm.generate([""], sp)
+    assert not llm.engine.requests
