@@ -29,7 +29,7 @@ from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.kv_groups import KVGroup
 from isolab.engine.kv_storage import KVStorage
 from isolab.engine.request import Request, TokenLogprob
-from isolab.engine.sampler import make_generator, sample
+from isolab.engine.sampler import make_generator, sample, top_logprobs
 from isolab.engine.step import ModelRunnerOutput, SampledToken, SchedulerOutput
 from isolab.faults import Faults
 from isolab.models.attention import (
@@ -182,19 +182,12 @@ class ModelRunner:
         """Each asking chunk's prompt tokens' logprobs: row p's distribution scores prompt token p + 1."""
         assert inputs.prompt_rows is not None
         logp = torch.log_softmax(self.model.logits(hidden[inputs.prompt_rows]), -1)  # (P, V), rows independent
-        k = max(req.params.prompt_logprobs or 0 for req, _, _ in inputs.prompt_spans)
-        top_v, top_i = torch.topk(logp, k) if k else (None, None)
+        tops = top_logprobs(logp, [req.params.prompt_logprobs or 0 for req, _, n in inputs.prompt_spans for _ in range(n)])
         out, row = [], 0
         for req, first, n in inputs.prompt_spans:
             nxt = torch.tensor(req.token_ids[first : first + n], device=logp.device)
             picked = logp[torch.arange(row, row + n, device=logp.device), nxt].tolist()
-            want = req.params.prompt_logprobs or 0
-            lps = []
-            for j in range(n):
-                top: tuple[tuple[int, float], ...] = ()
-                if want and top_v is not None and top_i is not None:
-                    top = tuple(zip(top_i[row + j, :want].tolist(), top_v[row + j, :want].tolist(), strict=True))
-                lps.append(TokenLogprob(req.token_ids[first + j], float(picked[j]), top))
+            lps = [TokenLogprob(req.token_ids[first + j], float(picked[j]), tops[row + j]) for j in range(n)]
             out.append((req.request_id, first, tuple(lps)))
             row += n
         return tuple(out)

@@ -163,13 +163,32 @@ def sample(
     lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if lp_rows:
         logp = torch.log_softmax(logits[lp_rows], -1)  # (B, V): each row reduced on its own
-        k = max(requests[i].params.logprobs or 0 for i in lp_rows)
-        top_v, top_i = torch.topk(logp, k) if k else (None, None)
+        tops = top_logprobs(logp, [requests[i].params.logprobs or 0 for i in lp_rows])
         picked = logp[torch.arange(len(lp_rows)), torch.tensor([tokens[i] for i in lp_rows])].tolist()
         for b, i in enumerate(lp_rows):
-            n = requests[i].params.logprobs or 0
-            top: tuple[tuple[int, float], ...] = ()
-            if n and top_v is not None and top_i is not None:
-                top = tuple(zip(top_i[b, :n].tolist(), top_v[b, :n].tolist(), strict=True))
-            lps[i] = TokenLogprob(tokens[i], float(picked[b]), top)
+            lps[i] = TokenLogprob(tokens[i], float(picked[b]), tops[b])
     return list(zip(tokens, lps, strict=True))
+
+
+def top_logprobs(logp: torch.Tensor, ns: list[int]) -> list[tuple[tuple[int, float], ...]]:
+    """Row b's ns[b] most likely tokens of logp (B, V), as (token, logprob) from the most likely: ties
+    go to the smaller token id, so a row's list depends on that row and its own n alone. (torch.topk
+    orders tied values by its k: cut from the step's largest n, a request's list changed with what
+    another request in its step asked for; bf16 logits tie often.)"""
+    out: list[tuple[tuple[int, float], ...]] = [()] * len(ns)
+    k = max(ns, default=0)
+    if not k:
+        return out
+    top_v, top_i = torch.topk(logp, k)  # its values are the same whatever the ties; its indices are not
+    for b, n in enumerate(ns):
+        if not n:
+            continue
+        row, cut = logp[b], top_v[b, n - 1]
+        above = (row > cut).nonzero().flatten()  # fewer than n, in id order
+        ids = torch.cat([above, (row == cut).nonzero().flatten()[: n - above.numel()]])
+        if ids.numel() < n:  # a row of NaN (nothing compares): topk's own, as before
+            ids = top_i[b, :n]
+        values = row[ids]
+        order = torch.sort(-values, stable=True).indices  # most likely first; equal values keep id order
+        out[b] = tuple(zip(ids[order].tolist(), values[order].tolist(), strict=True))
+    return out

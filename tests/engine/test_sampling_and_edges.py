@@ -265,3 +265,33 @@ def test_an_error_in_a_batch_names_its_prompt_or_conversation(llm):
     with pytest.raises(InvalidRequestError, match="^the prompt is empty"):
         llm.generate([""], sp)
     assert not llm.engine.requests
+
+
+def test_a_requests_top_logprobs_do_not_depend_on_what_others_ask_for(tiny_bundle):
+    """torch.topk orders tied values by its k: the step cut every row's list from the largest n asked,
+    so a request's top-3 changed when a request with logprobs=20 shared its step (a review helper: 9 of
+    40 requests on the tiny model; bf16 logits tie often). Sampled and prompt logprobs alike; each list
+    now breaks ties by token id."""
+    import random
+
+    from isolab.engine.sampler import top_logprobs
+
+    row = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -1.0, -2.0]])
+    want = ((0, -1.0), (2, -1.0), (4, -1.0), (1, -2.0))
+    assert top_logprobs(row, [4]) == [want]
+    assert top_logprobs(torch.cat([row, row]), [4, 6]) == [want, (*want, (5, -2.0), (3, -3.0))]
+
+    llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
+    V = tiny_bundle.hparams.vocab_size
+    rng = random.Random(1)
+    mine = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    greedy_more = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=20, prompt_logprobs=20)
+    differ = 0
+    for _ in range(16):
+        prompt = [rng.randrange(100, V) for _ in range(rng.randrange(3, 30))]
+        other = [rng.randrange(100, V) for _ in range(5)]
+        alone = llm.generate([prompt], mine)[0]
+        both = llm.generate([prompt, other], [mine, greedy_more])[0]  # one step: the same chunk budget holds both
+        differ += ([lp.top for lp in alone.logprobs], alone.prompt_logprobs) != \
+                  ([lp.top for lp in both.logprobs], both.prompt_logprobs)
+    assert differ == 0
