@@ -70,12 +70,14 @@ class BlockPool:
         audit: bool = False,
         faults: Faults = Faults(),  # reuse-without-invalidate is read here (_evict), and only here
         events: EventSink | None = None,
+        clear_on_allocate: bool = False,  # the torch attention reads whole blocks: their unwritten slots too
     ) -> None:
         assert num_blocks >= 2, "the pool needs the null block and at least one more"
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.storage = storage
         self.audit = audit
+        self.clear_on_allocate = clear_on_allocate
         self.invalidate_on_reuse = not faults.reuse_without_invalidate
         self.events: EventSink = events or NullSink()
         # LRU order: the front is evicted first. Freed blocks go to the back.
@@ -115,8 +117,10 @@ class BlockPool:
             block.tokens = []
             block.key = None  # the map may still hold a stale entry only under reuse-without-invalidate
             block.checksum = None
-            if self.audit and self.storage is not None:
-                self.storage.clear(block_id)  # unwritten slots must be finite: masked x NaN is NaN
+            if (self.audit or self.clear_on_allocate) and self.storage is not None:
+                # unwritten slots must be finite: masked x NaN is NaN (audit poisons freed blocks; on
+                # the torch path an earlier life's non-finite value would reach a new writer's row)
+                self.storage.clear(block_id)
             self.events.emit("allocated", block_id, writer, scope, generation=block.generation)
             out.append(block)
         return out

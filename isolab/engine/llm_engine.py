@@ -114,6 +114,9 @@ class LLMEngine:
             audit=config.audit,
             faults=faults,
             events=self.events,
+            # the native kernel reads a row's keys up to its position; the torch attention (CUDA, no
+            # compiler) reads whole blocks and masks them, and 0 x inf is NaN
+            clear_on_allocate=self.numerics.attention != "native",
         )
         self.kv = KVCacheManager(
             self.pool,

@@ -295,3 +295,25 @@ def test_a_requests_top_logprobs_do_not_depend_on_what_others_ask_for(tiny_bundl
         differ += ([lp.top for lp in alone.logprobs], alone.prompt_logprobs) != \
                   ([lp.top for lp in both.logprobs], both.prompt_logprobs)
     assert differ == 0
+
+
+def test_an_earlier_lifes_non_finite_value_does_not_reach_the_torch_path(tiny_path, tiny_bundle):
+    """The torch attention (CUDA, or no compiler) reads whole blocks and masks the slots nobody wrote;
+    0 x inf is NaN, so a non-finite value an earlier life left in such a slot turned a new request's
+    logprobs into NaN (a review helper). Blocks are now cleared when allocated on that path (audit mode
+    did already); the native kernel reads a row's keys up to its position and needs none of it."""
+    import dataclasses
+
+    from isolab.models.gguf_loader import load_gguf
+    from isolab.models.llama import LlamaModel
+    from isolab.testing.workload import Arrival, drive, make_engine
+
+    torch_path = dataclasses.replace(tiny_bundle, model=LlamaModel(load_gguf(str(tiny_path)), "bf16", "cpu", native=False))
+    req = Arrival(0, "B", tuple(range(100, 106)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0))
+    clean = drive(make_engine(torch_path, 8, prefix=False), [req]).finished["B"]
+    engine = make_engine(torch_path, 8, prefix=False)
+    assert engine.pool.clear_on_allocate and not make_engine(tiny_bundle, 8, prefix=False).pool.clear_on_allocate
+    for kv in engine.storage.slots:  # block 1's last slot, which a 6-token prompt and 4 tokens never write
+        kv[1, :, 1, -1] = float("inf")
+    stale = drive(engine, [req]).finished["B"]
+    assert stale.pairs() == clean.pairs()
