@@ -179,16 +179,22 @@ def top_logprobs(logp: torch.Tensor, ns: list[int]) -> list[tuple[tuple[int, flo
     k = max(ns, default=0)
     if not k:
         return out
-    top_v, top_i = torch.topk(logp, k)  # its values are the same whatever the ties; its indices are not
+    width = min(k + 1, logp.shape[-1])  # one past the largest n: shows whether a run of ties goes on
+    top_v, top_i = torch.topk(logp, width)  # its values are the same whatever the ties; its indices are not
+    values, ids = top_v.tolist(), top_i.tolist()
     for b, n in enumerate(ns):
         if not n:
             continue
-        row, cut = logp[b], top_v[b, n - 1]
+        cut = values[b][n - 1]
+        if width == logp.shape[-1] or values[b][width - 1] < cut:  # every token of the cut's value is here
+            out[b] = tuple(sorted(zip(ids[b], values[b], strict=True), key=lambda t: (-t[1], t[0]))[:n])
+            continue
+        row = logp[b]  # a run of ties past the width (or NaN): search the row
         above = (row > cut).nonzero().flatten()  # fewer than n, in id order
-        ids = torch.cat([above, (row == cut).nonzero().flatten()[: n - above.numel()]])
-        if ids.numel() < n:  # a row of NaN (nothing compares): topk's own, as before
-            ids = top_i[b, :n]
-        values = row[ids]
-        order = torch.sort(-values, stable=True).indices  # most likely first; equal values keep id order
-        out[b] = tuple(zip(ids[order].tolist(), values[order].tolist(), strict=True))
+        found = torch.cat([above, (row == cut).nonzero().flatten()[: n - above.numel()]])
+        if found.numel() < n:  # a row of NaN (nothing compares): topk's own order, as before
+            found = top_i[b, :n]
+        vals = row[found]
+        order = torch.sort(-vals, stable=True).indices  # most likely first; equal values keep id order
+        out[b] = tuple(zip(found[order].tolist(), vals[order].tolist(), strict=True))
     return out

@@ -280,6 +280,10 @@ def test_a_requests_top_logprobs_do_not_depend_on_what_others_ask_for(tiny_bundl
     want = ((0, -1.0), (2, -1.0), (4, -1.0), (1, -2.0))
     assert top_logprobs(row, [4]) == [want]
     assert top_logprobs(torch.cat([row, row]), [4, 6]) == [want, (*want, (5, -2.0), (3, -3.0))]
+    ties = torch.round(torch.randn(32, 300, generator=torch.Generator().manual_seed(0)) * 2) / 2  # runs of ties
+    for n in (1, 3, 7, 20):  # (within the topk's width, and runs past it: the row searched)
+        for b, got in enumerate(top_logprobs(ties, [n] * 32)):
+            assert list(got) == sorted(enumerate(ties[b].tolist()), key=lambda t: (-t[1], t[0]))[:n]
 
     llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
     V = tiny_bundle.hparams.vocab_size
