@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from isolab.race.explorer import gil, narrative
@@ -100,7 +101,7 @@ def run_explore(args: argparse.Namespace) -> int:
     return int(ExitCode.BUG)
 
 
-def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits, trace_modules: list[str] = ()) -> int:  # type: ignore[assignment]
+def run_replay(target: str | None, path: Path, times: int, limits: SearchLimits, trace_modules: Sequence[str] = ()) -> int:
     gil.check_supported()
     schedule = load_schedule(path)
     scenario = load(target or schedule.target or schedule.scenario, (*schedule.trace_modules, *trace_modules))

@@ -56,7 +56,11 @@ def test_service_checks_limits_and_never_logs_the_passcode(server: int, caplog) 
 
 def test_the_wrong_method_is_a_405_naming_the_right_one_and_a_429_says_when(server: int) -> None:
     """GET /check was a 404 (as if the path did not exist); a 429 carried no Retry-After."""
-    for method, path, allow in (("GET", "/check", "POST"), ("POST", "/healthz", "GET")):
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=5)
+    conn.request("GET", "/healthz?probe=1")  # a query string does not change the route
+    assert conn.getresponse().status == 200
+    conn.close()
+    for method, path, allow in (("GET", "/check", "POST"), ("POST", "/healthz?x=1", "GET")):
         conn = http.client.HTTPConnection("127.0.0.1", server, timeout=5)
         conn.request(method, path, b"{}" if method == "POST" else None)
         resp = conn.getresponse()
