@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from isolab.errors import InvalidRequestError
+from isolab.errors import InvalidRequestError, is_whole
 from isolab.faults import Faults
 
 DTYPES = ("bf16", "fp32")
@@ -21,10 +21,6 @@ DEFAULT_MAX_NUM_SEQS = 256
 
 
 KV_CACHE_DTYPES = ("auto", "int8")
-
-
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def memory_bytes(text: str) -> int:
@@ -62,7 +58,7 @@ class CacheConfig:
         if isinstance(self.kv_cache_memory, str):  # as the CLI takes it: "1GiB"
             object.__setattr__(self, "kv_cache_memory", memory_bytes(self.kv_cache_memory))
         for name in ("block_size", "kv_cache_memory"):  # (a float or another string reached the pool's maths)
-            if not _whole(getattr(self, name)):
+            if not is_whole(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a whole number, not {getattr(self, name)!r}", field=name)
         if self.block_size < 1 or self.block_size > 1024:
             raise InvalidRequestError("block_size must be between 1 and 1024", field="block_size")
@@ -88,7 +84,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not _whole(getattr(self, name)):
+            if not is_whole(getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be a whole number, not {getattr(self, name)!r}", field=name)
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs must be at least 1", field="max_num_seqs")
@@ -118,7 +114,7 @@ class EngineConfig:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
             raise InvalidRequestError(f"model must be a GGUF path or a model name, not {type(self.model).__name__}",
                                       field="model")
-        if self.max_model_len is not None and not _whole(self.max_model_len):
+        if self.max_model_len is not None and not is_whole(self.max_model_len):
             raise InvalidRequestError(f"max_model_len must be a whole number, not {self.max_model_len!r}",
                                       field="max_model_len")
         if isinstance(self.inject_faults, str):  # (a string was read as its characters: "unknown fault 'a'")

@@ -16,6 +16,11 @@ InvalidRequestError into a 4xx with an OpenAI-style error body.
 from __future__ import annotations
 
 
+def is_whole(value: object) -> bool:
+    """An int and not a bool: what an option counted in whole numbers takes (True is not 1 here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class IsolabError(Exception):
     """Base of every error isolab raises on purpose."""
 

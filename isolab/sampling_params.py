@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from isolab.errors import InvalidRequestError
+from isolab.errors import InvalidRequestError, is_whole
 
 log = logging.getLogger("isolab")
 
@@ -91,9 +91,6 @@ class SamplingParams:
         def bad(field: str, why: str) -> InvalidRequestError:
             return InvalidRequestError(f"{field} {why}", field=field)
 
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         def is_number(v: object) -> bool:
             return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -110,23 +107,23 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         except (TypeError, ValueError):
             raise bad("logit_bias", "must map token ids to biases: {id: bias} or ((id, bias), ...)") from None
-        if not is_int(self.max_tokens) or self.max_tokens < 0:
+        if not is_whole(self.max_tokens) or self.max_tokens < 0:
             raise bad("max_tokens", f"must be an integer >= 0, not {self.max_tokens!r}")
         if not is_number(self.temperature) or not (0.0 <= float(self.temperature) <= 100.0):
             raise bad("temperature", f"must be a number in [0, 100], not {self.temperature!r}")
         if not is_number(self.top_p) or not (0.0 <= float(self.top_p) <= 1.0):
             raise bad("top_p", f"must be in [0, 1], not {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if not is_whole(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be an integer >= -1 (0 or -1 = off), not {self.top_k!r}")
         if self.top_k == -1:  # vLLM's "off" (its older releases take no other)
             object.__setattr__(self, "top_k", 0)
-        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)):
+        if self.seed is not None and (not is_whole(self.seed) or not (-(2**63) <= self.seed < 2**64)):
             raise bad("seed", f"must be an integer in [-2**63, 2**64), not {self.seed!r}")
         if self.seed is not None and self.seed < 0:  # OpenAI's seeds are int64: read as 64 bits (torch's rule)
             object.__setattr__(self, "seed", self.seed % 2**64)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_whole(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -181,6 +181,7 @@ class BlockPool:
         assert block.state is BlockState.ALLOCATED, f"block {block.block_id} is {block.state.value}: not writable"
         tokens = block.tokens
         if offset < len(tokens):
+            assert shared_writers, f"block {block.block_id}: rewrite of slot {offset} of {len(tokens)} written"
             tokens[offset] = token_id
             del tokens[offset + 1 :]
             return

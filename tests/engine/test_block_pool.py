@@ -43,6 +43,23 @@ def test_allocation_order_and_lru_free_queue():
     pool.check_invariants()
 
 
+def test_one_writer_fills_slots_in_order_and_never_rewrites():
+    """A block with one writer fills its slots in order; a rewrite or a skipped slot is refused
+    (only the fault write-shared, which lets two requests write one block, passes shared_writers)."""
+    pool = BlockPool(3)
+    (block,) = pool.allocate(1, "a", None)
+    for i, tok in enumerate((7, 8, 9)):
+        pool.record_write(block, i, tok)
+    assert block.tokens == [7, 8, 9]
+    with pytest.raises(AssertionError, match="rewrite of slot 1"):
+        pool.record_write(block, 1, 5)
+    with pytest.raises(AssertionError, match="write at 4 after 3"):
+        pool.record_write(block, 4, 5)
+    assert block.tokens == [7, 8, 9]
+    pool.record_write(block, 1, 5, shared_writers=True)  # a second writer cuts the block back
+    assert block.tokens == [7, 5]
+
+
 def test_null_block_is_never_handed_out():
     pool = BlockPool(3)
     assert [b.block_id for b in pool.allocate(2, "a", None)] == [1, 2]
