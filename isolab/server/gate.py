@@ -81,6 +81,8 @@ def _unreadable(scope: Scope, body: bytes) -> ApiError | None:
             encoding = value.decode("latin-1")[:32]
             return ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
                             code="unsupported_content_encoding")
+    if body.isascii():  # most bodies (JSON escapes what is not ASCII): no copy decoded only to be dropped
+        return None
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
