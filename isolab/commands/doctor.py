@@ -43,6 +43,8 @@ def _add_server_args(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> No
     g.add_argument("--scope-field", default="cache_salt", help="the body field that carries an item's scope (server)")
     g.add_argument("--no-cache-field", default=None, metavar="FIELD=VALUE",
                    help="the per-request switch that turns the server's prompt cache off, e.g. cache_prompt=false")
+    g.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="server only: seconds to wait for each completion (120)")
     g.add_argument("--tie-margin", type=float, default=0.1,
                    help="server only: a first difference within this many nats is a near-tie (0.1)")
 
@@ -67,7 +69,9 @@ def _engine_kwargs(text: str, tiny: bool, tiny_dir: Callable[[], str]) -> dict:
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"--engine-args: {exc}", field="engine_args") from None
     check_output_path(ns.trace, "--trace")
-    if tiny and ns.model is None:
+    if tiny and ns.model is not None:
+        raise InvalidRequestError("give --tiny or --model in --engine-args, not both", field="engine_args")
+    if tiny:
         import torch
 
         from isolab.testing.tiny_model import TinySpec, write_tiny_llama
@@ -95,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         assert concurrencies and min(concurrencies) >= 1
     except (ValueError, AssertionError):
         raise InvalidRequestError(f"--concurrency {args.concurrency!r}: write positive integers like 1,2,4,8,16", field="concurrency") from None
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise InvalidRequestError(f"--timeout must be a positive number of seconds, not {args.timeout}", field="timeout")
     if not (math.isfinite(args.tie_margin) and args.tie_margin >= 0):
         raise InvalidRequestError(f"--tie-margin must be 0 or more nats, not {args.tie_margin}", field="tie_margin")
     from isolab.commands.common import flags_set
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidRequestError("give --tiny or --base-url, not both", field="base_url")
             target = HttpTarget(args.base_url, model=args.model_name, api_key=args.api_key,
                                 scope_field=args.scope_field or None,
-                                no_cache=parse_field(args.no_cache_field) if args.no_cache_field else None)
+                                no_cache=parse_field(args.no_cache_field) if args.no_cache_field else None,
+                                timeout_s=args.timeout)
         else:
             target = EngineTarget(_engine_kwargs(args.engine_args, args.tiny, tiny_dir))
         findings = diagnose(target, items, concurrencies=concurrencies, checks=checks, tie_margin=args.tie_margin,

@@ -38,6 +38,9 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+TRANSPORT = "transport error: "  # a Result's error when the request got no HTTP answer at all
+
+
 class HttpTarget:
     exact = False
     alone_label = "alone (one request at a time)"  # (the server's engine is shared: no fresh one per request)
@@ -130,7 +133,7 @@ class HttpTarget:
         try:
             r = await client.post("/completions", json=body)
         except httpx.HTTPError as exc:
-            return Result(it.item_id, (), (), (), "", 0, f"transport error: {type(exc).__name__}: {_one_line(str(exc))}")
+            return Result(it.item_id, (), (), (), "", 0, f"{TRANSPORT}{type(exc).__name__}: {_one_line(str(exc)) or 'no answer'}")
         if r.status_code != 200:
             return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {_one_line(r.text[:200])}")
         try:
@@ -162,6 +165,11 @@ class HttpTarget:
                 return await self._complete(client, item, cache=not self.can_disable_cache)
 
         res = asyncio.run(go())
+        if not self.history and res.error is not None and res.error.startswith(TRANSPORT):
+            # the first completion got no answer at all: the rest would wait as long each (--timeout)
+            raise InvalidRequestError(f"{self.base_url}/completions gave no answer to the first request alone "
+                                      f"({res.error.removeprefix(TRANSPORT)}; --timeout {self.timeout_s:g} s): "
+                                      "is the server stuck, or slower than --timeout?", field="base_url")
         self.history.append((item, res))
         return res
 

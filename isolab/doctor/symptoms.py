@@ -15,6 +15,7 @@ Kinds:
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Callable, Hashable, Sequence
@@ -56,9 +57,26 @@ def parse_check(spec: str) -> Check:
             sys.path.insert(0, "")
         try:
             fn = getattr(importlib.import_module(parts[1]), parts[2])
-        except (ImportError, AttributeError) as exc:
-            raise InvalidRequestError(f"--check {spec!r}: cannot load it ({exc})", field="check") from None
-        return lambda prompt, text: bool(fn(prompt, text))
+        except Exception as exc:  # ImportError, AttributeError, a SyntaxError in the module, what it raises
+            raise InvalidRequestError(f"--check {spec!r}: cannot load it ({type(exc).__name__}: {exc})",
+                                      field="check") from None
+        if not callable(fn):
+            raise InvalidRequestError(f"--check {spec!r} is a {type(fn).__name__}, not a function", field="check")
+        try:
+            inspect.signature(fn).bind("prompt", "text")
+        except TypeError as exc:
+            raise InvalidRequestError(f"--check {spec!r} must take two arguments, the prompt and the output "
+                                      f"text ({exc})", field="check") from None
+        except ValueError:
+            pass  # a builtin without a signature: its first call says
+
+        def check(prompt: str, text: str) -> bool:
+            try:
+                return bool(fn(prompt, text))
+            except Exception as exc:
+                raise InvalidRequestError(f"--check {spec!r} raised {type(exc).__name__}: {exc}", field="check") from None
+
+        return check
     try:
         rx = re.compile(spec)
     except re.error as exc:

@@ -19,6 +19,8 @@ class EventSink(Protocol):
 
     def set_step(self, step: int) -> None: ...
 
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -27,6 +29,9 @@ class NullSink:
         return None
 
     def set_step(self, step: int) -> None:
+        return None
+
+    def flush(self) -> None:
         return None
 
     def close(self) -> None:
@@ -50,6 +55,12 @@ class JsonlSink:
         rec = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
         rec.update(extra)
         self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        """Hand what is written to the OS (after each step and abort): a reader sees an idle engine's
+        whole trace, and a process that dies loses at most the step it was in."""
+        if not self._fh.closed:
+            self._fh.flush()
 
     def close(self) -> None:
         if not self._fh.closed:

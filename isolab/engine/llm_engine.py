@@ -209,6 +209,7 @@ class LLMEngine:
         if req is None:
             return False
         self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.events.flush()
         return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -237,6 +238,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
         self.events.set_step(self.step_count)
+        try:
+            return self._step()
+        finally:
+            self.events.flush()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if self.auditor is not None:

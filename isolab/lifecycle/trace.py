@@ -73,20 +73,27 @@ class Trace:
         return [life for life in self.lives if life.end is None]
 
 
-def read_records(path: str | Path) -> list[dict]:
+def read_records(path: str | Path, notes: list[str] | None = None) -> list[dict]:
+    """The trace's events. A last line cut short (no newline: the writer died mid-line) is left out,
+    with a sentence in `notes` where given; anything else that is not an event is an error."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidRequestError(f"cannot read the trace {path}: {exc.strerror}", field="trace") from None
     except UnicodeDecodeError:
         raise InvalidRequestError(f"{path} is not UTF-8 text: is it a trace written by --trace?", field="trace") from None
-    out = []
+    lines = text.splitlines()
+    out: list[dict] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except ValueError:
+            if n == len(lines) and not text.endswith("\n") and out:
+                if notes is not None:
+                    notes.append(f"line {n}, the last, is cut short (its writer stopped mid-line): left out")
+                break
             raise InvalidRequestError(f"{path} line {n} is not JSON: is it a trace written by --trace?", field="trace") from None
         if not _is_event(rec):
             raise InvalidRequestError(
@@ -166,7 +173,10 @@ def b_of(life: Life) -> str:
 
 
 def load(path: str | Path) -> Trace:
-    return build(read_records(path))
+    notes: list[str] = []
+    trace = build(read_records(path, notes))
+    trace.problems[:0] = notes
+    return trace
 
 
 def summary_lines(trace: Trace) -> list[str]:

@@ -203,3 +203,35 @@ def test_a_no_cache_field_without_a_name_is_refused(spec):
 def test_server_flags_without_a_server_are_refused(flag):
     """The flags only a --base-url target reads were ignored without a word on the engine in process."""
     one_sentence(isolab("doctor", "--tiny", *flag, timeout=60), f"{flag[0]} is for a server: it needs --base-url")
+
+
+def test_a_server_that_never_answers_stops_at_the_first_request():
+    """A server that lists its models but never answers a completion: the first request's timeout ends
+    the run in one sentence (it waited --timeout for each of the 56 alone requests: most of two hours)."""
+    from isolab.doctor.experiments import diagnose
+    from isolab.doctor.workload import builtin_workload
+
+    calls = []
+
+    def stuck(r: httpx.Request) -> httpx.Response:
+        if r.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        calls.append(r)
+        raise httpx.ReadTimeout("timed out", request=r)
+
+    target = HttpTarget("http://mock", transport=httpx.MockTransport(stuck), timeout_s=7)
+    with pytest.raises(InvalidRequestError, match=r"no answer to the first request alone \(ReadTimeout: timed out; "
+                                                  r"--timeout 7 s\)"):
+        diagnose(target, builtin_workload(), concurrencies=(1,))
+    assert len(calls) == 1
+
+
+def test_timeout_is_checked_and_is_for_a_server():
+    one_sentence(isolab("doctor", "--base-url", "http://127.0.0.1:1", "--timeout", "0", timeout=30),
+                 "--timeout must be a positive number of seconds")
+    one_sentence(isolab("doctor", "--tiny", "--timeout", "5", timeout=30), "--timeout is for a server")
+
+
+def test_tiny_with_a_model_in_the_engine_args_is_refused_not_ignored():
+    one_sentence(isolab("doctor", "--tiny", "--engine-args", "--model smollm2-135m-instruct", timeout=60),
+                 "--tiny or --model in --engine-args")

@@ -39,6 +39,22 @@ def test_checks_regex_and_python(tmp_path, monkeypatch):
         parse_check("python:nomodule_here:f")
 
 
+def test_a_broken_python_check_is_a_sentence(tmp_path, monkeypatch):
+    """A check that does not import, is no function, takes other arguments or raises is refused in
+    one sentence (InvalidRequestError: exit 2), never a traceback read as a symptom (exit 1)."""
+    (tmp_path / "syntaxbad.py").write_text("def f(p, t)\n    return True\n")
+    (tmp_path / "checks.py").write_text("X = 5\ndef one(p):\n    return True\n"
+                                        "def boom(p, t):\n    raise ValueError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, says in (("python:syntaxbad:f", "SyntaxError"), ("python:checks:X", "not a function"),
+                       ("python:checks:one", "two arguments"), ("python:os.path:exists", "two arguments")):
+        with pytest.raises(InvalidRequestError, match=says):
+            parse_check(spec)
+    check = parse_check("python:checks:boom")
+    with pytest.raises(InvalidRequestError, match="raised ValueError: boom"):
+        find_symptoms([Item("r0", "p")], {"r0": res([1], text="x", rid="r0")}, {}, exact=True, checks=[check])
+
+
 def test_cross_scope_hit_counts_only_foreign_blocks():
     a = Item("a1", (1, 2, 3, 4), scope="a")
     b = Item("b1", (1, 2, 3, 4), scope="b")

@@ -59,6 +59,43 @@ def test_llm_trace_path_round_trip(tiny_bundle, tiny_path, tmp_path):
     assert c["complete"] and c["lives"] > 0, c
 
 
+def test_an_open_engine_trace_is_whole_after_each_step_and_abort(tiny_bundle, tiny_path, tmp_path):
+    """A reader of a live engine's trace (a server's `--trace`) sees every event of the steps and aborts
+    so far: nothing waits in a buffer until the engine closes."""
+    from isolab.llm import LLM
+    from isolab.sampling_params import SamplingParams
+
+    path = tmp_path / "live.jsonl"
+    llm = LLM(str(tiny_path), device="cpu", bundle=tiny_bundle, kv_cache_memory=64 * 4096, trace_path=str(path))
+    llm.generate(["hello there world " * 4], SamplingParams(max_tokens=4, temperature=0))
+    c = completeness(load(path))  # the engine is still open
+    assert c["complete"] and c["lives"] > 0 and c["still_held"] == 0, c
+    eng = llm.engine
+    eng.add_request("x", [5, 6, 7, 8, 9] * 4, SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    assert completeness(load(path))["still_held"] > 0
+    assert eng.abort("x")
+    c = completeness(load(path))
+    assert c["complete"] and c["still_held"] == 0, c
+    eng.close()
+
+
+def test_a_last_line_cut_short_is_left_out_and_said(tmp_path):
+    recs = [{"step": 1, "event": "allocated", "block": 3, "request": "A", "scope": None},
+            {"step": 2, "event": "released", "block": 3, "request": "A", "scope": None, "refs": 0},
+            {"step": 2, "event": "freed", "block": 3, "request": "A", "scope": None}]
+    whole = "".join(json.dumps(r) + "\n" for r in recs)
+    path = tmp_path / "cut.jsonl"
+    path.write_text(whole[:-20])  # a process killed mid-line
+    trace = load(path)
+    assert len(trace.records) == 2 and any("cut short" in p for p in trace.problems), trace.problems
+    path.write_text(whole[:-20] + "\n" + whole)  # a bad line that is not the last: an error, as before
+    from isolab.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="line 3 is not JSON"):
+        load(path)
+
+
 @pytest.mark.parametrize("records,problem", [
     ([{"step": 1, "event": "allocated", "block": 3, "request": "A", "scope": None},
       {"step": 2, "event": "released", "block": 3, "request": "A", "scope": None, "refs": 0}], "never freed"),
