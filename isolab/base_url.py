@@ -18,4 +18,13 @@ def check_base_url(base_url: str, option: str = "--base-url") -> httpx.URL:
     if url.scheme not in ("http", "https") or not url.host:
         raise InvalidRequestError(f"{option} {base_url!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000",
                                   field=option.lstrip("-"))
+    path = url.path.rstrip("/")
+    endpoint = next((e for e in ENDPOINTS if path.endswith(e)), None)
+    if endpoint is not None:  # (it was '.../v1/completions/v1/models gave no model (HTTP 404)')
+        root = str(url.copy_with(path=path[: -len(endpoint)] or "/", query=None, fragment=None)).rstrip("/")
+        raise InvalidRequestError(f"{option} {base_url!r} names the endpoint {endpoint}: give the server's address, "
+                                  f"{root}", field=option.lstrip("-"))
     return url
+
+
+ENDPOINTS = ("/chat/completions", "/completions", "/models", "/embeddings", "/health", "/metrics")

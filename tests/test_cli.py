@@ -100,6 +100,10 @@ def test_bench_repeats_must_be_positive():
     (["generate", "hi", "--block-size", "3"], "block_size must be even"),  # it gave wrong bf16 outputs
     (["generate", "hi", "--kv-cache-memory", "1e30G"], "the KV pool cannot be mapped"),  # an OverflowError
     (["doctor", "--base-url", "127.0.0.1:8000"], "is not an http:// or https:// URL"),
+    # an endpoint for the server's address: '.../v1/completions/v1/models gave no model (HTTP 404)' (session 42)
+    (["probe", "--base-url", "http://127.0.0.1:9/v1/completions"], "names the endpoint /completions: give the "
+                                                                   "server's address, http://127.0.0.1:9/v1"),
+    (["doctor", "--base-url", "http://127.0.0.1:9/v1/chat/completions"], "names the endpoint /chat/completions"),
     # found by a black-box QA pass (session 35): each was a traceback, a hang or a silent misreading
     (["serve", "--no-auth", "--port", "70000"], "--port must be between 0 and 65535"),  # uvicorn took it as 4464
     (["serve", "--no-auth", "--host", "999.1.1.1"], "does not resolve"),

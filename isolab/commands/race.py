@@ -153,8 +153,10 @@ def _explore(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(scenarios.builtin_names()))
         return 0
-    if args.bound < 0 or args.times < 1 or args.runs < 1 or args.depth < 1:
-        raise InvalidRequestError("--bound must be >= 0; --times, --runs and --depth >= 1")
+    for flag, value, least in (("--bound", args.bound, 0), ("--times", args.times, 1), ("--runs", args.runs, 1),
+                               ("--depth", args.depth, 1)):
+        if value < least:
+            raise InvalidRequestError(f"{flag} must be at least {least}, not {value}", field=flag.lstrip("-"))
     seconds = [args.stall_seconds] + ([args.time_limit] if args.time_limit is not None else [])
     if min(args.max_executions, args.max_steps, args.max_bytecodes) < 1 \
             or not all(0 < x < math.inf for x in seconds):  # (NaN fails a comparison: it got through `<= 0`)

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--fault", action="append", default=[], help="only these faults (repeatable)")
     add_engine_args(p)
+    for action in p._actions:  # the flags it refuses stay parsed (for the sentence), out of --help
+        if action.dest in _NOT_TAKEN:
+            action.help = argparse.SUPPRESS
     p.set_defaults(func=run)
 
 

@@ -97,11 +97,18 @@ def answer_concurrency(f: Findings) -> Answer:
     return Answer("(a) only under concurrency or batching, never alone?", YES if shared and not n_alone else NO, ev)
 
 
+def _names(ids: set[str], most: int = 8) -> str:
+    """'r01, r04, r07' (at most `most` named, then how many more), or 'none'."""
+    names = sorted(ids)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more if names else "none"
+
+
 def answer_input(f: Findings) -> Answer:
     top = f.sweep[-1] if f.sweep else None
     orig = symptomatic_ids(top.symptoms) if top else set()
     var = symptomatic_ids(f.variant.symptoms)
-    ev = f"original content: {sorted(orig) or 'none'}; same shapes, other content: {sorted(var) or 'none'}"
+    ev = f"original content: {_names(orig)}; same shapes, other content: {_names(var)}"
     if not orig and not var:
         return Answer("(b) depends on the input (same lengths, other content)?", NA, ev)
     overlap = len(orig & var) / len(orig | var)

@@ -113,6 +113,7 @@ def figure(trace: Trace, title: str = ""):  # noqa: ANN201 - a matplotlib Figure
     ]
     leg = ax.legend(handles=owners, title="owner (request)", loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=1 + len(owners) // 16)
     ax.add_artist(leg)
+    leg.set_clip_on(False)  # (add_artist clips it to the axes: a tight bounding box left it out, its names cut off)
     ax.legend(handles=keys, loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize=7)
     fig.tight_layout()
     return fig
@@ -122,7 +123,7 @@ def write_png(trace: Trace, out: str | Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig = figure(trace, title)
-    fig.savefig(out, dpi=130)
+    fig.savefig(out, dpi=130, bbox_inches="tight")  # the legends outside the axes stay in the image
     plt.close(fig)
     return Path(out)
 
@@ -132,7 +133,7 @@ def write_html(trace: Trace, out: str | Path, title: str = "") -> Path:
 
     fig = figure(trace, title)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     img = base64.b64encode(buf.getvalue()).decode()
     rows = []

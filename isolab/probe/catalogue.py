@@ -10,7 +10,7 @@ from isolab.faults import FAULTS
 # fault -> (the scenario that fails, or None when invisible from outside; how it shows / why not)
 FAULT_VISIBILITY: dict[str, tuple[str | None, str]] = {
     "reuse-without-invalidate": (
-        "concurrency, prefix-cache, seeded (under KV-cache pressure only)",
+        "seeded, and at times concurrency, prefix-cache or reuse (under KV-cache pressure only)",
         "only when a cached block is evicted and handed to a request that is still writing it while the prefix "
         "is asked for again. On a small KV pool (6 MiB for SmolLM2-135M: 16 blocks) the probe's floods cause "
         "exactly that, and warm or loaded runs read another request's KV (logprobs move by 1.5-2.4 nats, seeded "

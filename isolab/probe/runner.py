@@ -46,6 +46,11 @@ class ProbeConfig:
             raise ProbeUsageError(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
         # the one place the probe's numbers are checked (the CLI and the library alike); NaN fails
         # every test (`nan > 0` is False)
+        if len(self.api_keys) > 2:
+            raise ProbeUsageError(f"--api-key given {len(self.api_keys)} times: give one key, or two for two tenants "
+                                  "(a third would not be read)")
+        if len(set(self.api_keys)) < len(self.api_keys):
+            raise ProbeUsageError("the two --api-key values are the same key: give two tenants' keys, or one")
         if self.sizes.max_tokens < 2 or self.sizes.flood < 1:
             raise ProbeUsageError("--max-tokens must be at least 2 and --flood at least 1")
         if self.sizes.timing_samples != 0 and not self.sizes.timing_samples >= 5:
@@ -82,7 +87,7 @@ def estimate_requests(cfg: ProbeConfig, salt_too: bool) -> int:
     s = cfg.sizes
     per = {"concurrency": 8 + s.flood, "prefix-cache": 18 + 12 + s.first_blocks + 12, "reuse": 8 + s.flood + 12,
            "tenants": 6 * (2 if salt_too else 1) + 4 * s.timing_samples, "seeded": 9 + s.flood, "monitoring": 1}
-    return 3 + sum(per[n] for n in cfg.scenarios)
+    return 3 + (1 if salt_too else 0) + sum(per[n] for n in cfg.scenarios)  # (calibration: 3, a made-up key)
 
 
 def identities(keys: tuple[str, ...], salt_word: str) -> tuple[Identity, Identity, str, tuple[Identity, Identity] | None]:
@@ -118,7 +123,7 @@ async def run_probe(cfg: ProbeConfig, *, on_request: Callable[[], None] = lambda
     finally:
         await client.close()
     settings = {"scenarios": list(cfg.scenarios), "sizes": cfg.sizes.__dict__, "thresholds": cfg.thresholds.__dict__,
-                "tenants": how, "num_keys": len(cfg.api_keys), "seed": cfg.seed,
+                "tenants": ctx.tenants_how, "num_keys": len(cfg.api_keys), "seed": cfg.seed,
                 "capabilities": {k: v for k, v in client.caps.__dict__.items()}}
     return ProbeResult(client.base_v1, client.model or "?", started, round(time.monotonic() - t0, 2), verdicts,
                        ctx.records, ctx.notes, durations, settings)

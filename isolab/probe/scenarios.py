@@ -99,7 +99,8 @@ async def calibrate(ctx: Context) -> list[str]:
     p = ctx.work.plain(6)
     first = await ctx.send(p, tags=("calibration",), max_tokens=1)
     if not first.ok:
-        return [f"the first completion failed: HTTP {first.status} {first.error}"]
+        got = f"HTTP {first.status}: {first.error}" if first.status else f"no answer ({first.error})"
+        return [f"the first completion failed: {got}"]
     again = await ctx.send(p, tags=("calibration",), max_tokens=1)
     salted = await ctx.send(p, Identity(ctx.a.label, ctx.a.api_key, f"probe-cal-{ctx.work.word(8)}"),
                             tags=("calibration",), max_tokens=1)
@@ -112,6 +113,15 @@ async def calibrate(ctx: Context) -> list[str]:
              + (f" (a repeat hit {again.cached_tokens})" if ctx.reports_cached else ""),
              f"fresh cache_salt gives a cold run: {'yes' if ctx.salt_cold else 'no: references are first runs'}"]
     notes += [f"dropped field {d}" for d in caps.dropped]
+    if ctx.tenants_how == "api keys" and ctx.salt_identities is not None:
+        # Keys name tenants only on a server that checks them: one that serves a made-up key (no auth)
+        # puts both keys in one tenant, and their sharing would read as a leak.
+        made_up = Identity("made-up key", f"isolab-probe-not-a-key-{ctx.work.word(12)}")
+        if (await ctx.send(p, made_up, tags=("calibration",), max_tokens=1)).ok:
+            notes.append("the server served a made-up API key (no authentication): the two keys name no tenants, "
+                         "so the tenant test uses two cache_salt values instead")
+            ctx.a, ctx.b = ctx.salt_identities
+            ctx.tenants_how, ctx.salt_identities = "cache_salt", None
     ctx.notes += notes
     return []
 
@@ -230,18 +240,22 @@ async def reuse(ctx: Context) -> Verdict:
     parts.append(judge_comparisons("sequential reuse", comps, "runs"))
 
     # b. Evict and re-hit: A cached; a flood of short prompts that decode long (each writing into
-    #    fresh tail blocks); A asked again, one after another, while the flood runs.
+    #    fresh tail blocks); A asked again while the flood runs, at growing gaps (asked every 0.1 s,
+    #    A stayed the most recently used prompt, and an LRU cache never let it go), and once after.
     a, _ = w.secret(1)
     a_ref = await ctx.send(a, tags=("evict-ref",), max_tokens=max(4, n.max_tokens // 2))
     flood = [ctx.send(w.plain(0), tags=("pressure",), max_tokens=3 * n.max_tokens, stream=True) for _ in range(n.flood)]
     flood_job = asyncio.ensure_future(asyncio.gather(*flood))
     reruns = []
-    for _ in range(12):
-        await asyncio.sleep(0.1)
-        reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))
+    gap = 0.1
+    for _ in range(6):
+        await asyncio.sleep(gap)
         if flood_job.done():
             break
+        reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))
+        gap *= 2
     await flood_job
+    reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))  # after it all
     comps = [compare(a_ref, r, canaries=w.canaries, th=ctx.th, label=f"re-request {i} of a cached prompt under pressure")
              for i, r in enumerate(reruns)]
     v = judge_comparisons("evict and re-hit", comps, "re-requests")

@@ -173,7 +173,9 @@ def judge_comparisons(name: str, comps: Sequence[Comparison], what: str) -> Verd
                        evidence, data)
     if not comps:
         return Verdict(name, Status.INCONCLUSIVE, f"no {what} could be made", evidence, data)
-    return Verdict(name, Status.PASS, f"{len(comps)} {what} agree{tail}", evidence, data)
+    one = len(comps) == 1  # "1 re-request agrees", not "1 re-requests agree"
+    said = f"1 {what.removesuffix('s')} agrees" if one else f"{len(comps)} {what} agree"
+    return Verdict(name, Status.PASS, f"{said}{tail}", evidence, data)
 
 
 # -- cached_tokens ------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def test_reuse_fault_in_audit_mode_draws_the_violation(tiny_bundle, tmp_path, ca
     # the CLI names each violation's access as the engine recorded it
     from isolab.cli import main
 
-    main(["lifecycle", str(path), "--out", str(tmp_path / "g.png")])
+    assert main(["lifecycle", str(path), "--out", str(tmp_path / "g.png")]) == 1  # a violation: exit 1 (it was 0)
     out = capsys.readouterr().out
     for v in trace.violations:
         assert v["access"] in ("read", "write")

@@ -77,3 +77,14 @@ def test_probe_config_refuses_negative_sizes_and_bad_timeouts():
                dict(timeout_s=0.0)):
         with pytest.raises(ProbeUsageError):
             ProbeConfig("http://x", **kw)  # type: ignore[arg-type]
+
+
+def test_probe_config_takes_one_or_two_distinct_keys():
+    """A third key was never read, and the same key twice made one tenant look like two."""
+    from isolab.probe import ProbeConfig, ProbeUsageError
+
+    with pytest.raises(ProbeUsageError, match="a third would not be read"):
+        ProbeConfig("http://x", api_keys=("a", "b", "c"))
+    with pytest.raises(ProbeUsageError, match="the same key"):
+        ProbeConfig("http://x", api_keys=("a", "a"))
+    assert ProbeConfig("http://x", api_keys=("a", "b")).api_keys == ("a", "b")

@@ -69,6 +69,22 @@ def test_each_fault_fails_its_scenario(long_tiny_bundle, fault, scenario, check)
     assert result.exit_code == EXIT_FAIL
 
 
+def test_two_keys_on_a_server_without_keys_test_tenants_by_cache_salt(long_tiny_bundle):
+    """A server that serves any key (no auth) puts both keys in one tenant: their sharing is no leak.
+    The probe tries a made-up key first, says so, and tests tenants by cache_salt instead (it failed
+    'another tenant was served the owner's cached prefix')."""
+    with isolab_server(long_tiny_bundle, keys=None) as url:
+        result = run_probe_sync(ProbeConfig(url, api_keys=KEYS, scenarios=("tenants",), seed=6))
+        assert any("made-up API key" in n for n in result.notes), result.notes
+        v = by_name(result)["tenants"]
+        assert v.status is Status.PASS, v.evidence
+        assert {c["name"] for c in v.data["checks"]} == {"tenants (cache_salt)"}
+        assert result.settings["tenants"] == "cache_salt"
+    with isolab_server(long_tiny_bundle, faults=("no-scope",), keys=None) as url:  # the salt's test still bites
+        v = by_name(run_probe_sync(ProbeConfig(url, api_keys=KEYS, scenarios=("tenants",), seed=6)))["tenants"]
+        assert v.status is Status.FAIL, v.evidence
+
+
 def test_timing_test_runs_opt_in(long_tiny_bundle):
     from isolab.probe import Sizes
 

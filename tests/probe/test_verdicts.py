@@ -190,3 +190,25 @@ def test_records_do_not_share_lists_with_their_json():
     alone, _ = recorded()
     alone.tokens[0] = "changed"
     assert DATA == before
+
+
+def test_the_table_says_each_sentence_once_and_shows_opt_in_checks():
+    """A failed check was printed twice (the summary, then its [FAIL] line); a passing opt-in timing
+    test was not printed at all (only report.md had it)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from isolab.probe.report import print_summary
+    from isolab.probe.verdicts import Status, Verdict, combine
+
+    bad = combine("reuse", [Verdict("sequential reuse", Status.PASS, "3 runs agree"),
+                            Verdict("evict and re-hit", Status.FAIL, "1 of 3 re-requests show contamination")])
+    tenants = combine("tenants", [Verdict(f"tenants (api keys) {i}", Status.PASS, "the other tenant got 0") for i in range(3)]
+                      + [Verdict("tenants (timing)", Status.PASS, "own hits are measurably faster", optional=True)])
+    out = StringIO()
+    print_summary(ProbeResult("http://x/v1", "m", "now", 1.0, [bad, tenants], [], [], {}, {}),
+                  Console(file=out, width=400))
+    text = out.getvalue()
+    assert text.count("1 of 3 re-requests show contamination") == 1, text
+    assert "own hits are measurably faster" in text
