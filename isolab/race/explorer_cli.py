@@ -26,6 +26,11 @@ def summary(report: ExploreReport, shrunk: bool = True) -> list[str]:
     if report.finding is None:
         if s.verdict is Verdict.INCONCLUSIVE:
             lines.append(f"INCONCLUSIVE after {_n(s.executions, 'execution')} in {s.seconds:.2f}s: {s.reason}")
+            top = max((b for b, n in s.per_bound.items() if n), default=0)
+            if s.stopped is not None and s.strategy.startswith("bounded") and top > 0:
+                # the bounded search goes level by level: a budget spent at `top` leaves every level below done
+                lines.append(f"  every schedule with at most {_n(top - 1, 'preemption')} passed ({levels}; "
+                             f"{top} preemptions: cut short)")
         else:
             scope = "every schedule within the bound" if s.exhausted else "the schedules tried"
             lines.append(f"HOLDS: {scope} passed: {_n(s.executions, 'execution')} in {s.seconds:.2f}s "
@@ -64,9 +69,11 @@ def _n(count: int, word: str) -> str:
 
 
 def _untraced(report: ExploreReport) -> list[str]:
-    if not report.untraced:
-        return []
-    return [f"  not traced (add with --trace-module): {', '.join(report.untraced)}"]
+    lines = [f"  not traced (add with --trace-module): {', '.join(report.untraced)}"] if report.untraced else []
+    if report.reached:  # (a Counter.update race held: the standard library was never named)
+        lines.append(f"  called but not traced, so a race inside is not explored (add with --trace-module): "
+                     f"{', '.join(report.reached)}")
+    return lines
 
 
 def _progress(p: Progress) -> None:

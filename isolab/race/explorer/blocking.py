@@ -8,6 +8,11 @@ any particular primitive (primitives.py) nor how a thread is chosen (it calls a 
 Queries (`Event.is_set`, `Lock.locked`) take the same path as reads: they are what another
 thread's set or acquire does not commute with. From outside a managed thread (a scenario's check,
 a narrative's watch) they just read.
+
+Outside every thread body (setup, check, watch) any operation runs unscheduled, as the real
+primitive would with nobody else about, held by OUTSIDE: setup may fill a queue or set an event,
+check may take a lock. Such a caller cannot wait: what it would wait for (a lock a thread still
+holds, an event nobody sets) is a RuntimeError that names it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ from typing import Any
 from isolab.race.explorer.types import Abort, Scheduler
 
 Guard = tuple[Callable[[], bool], Callable[[], str]]
+
+
+class _Outside:
+    """Who holds a primitive that setup, check or watch took: no thread, never scheduled."""
+
+    name = "setup/check"
+    index = -1
+
+    def __repr__(self) -> str:
+        return "OUTSIDE"
+
+
+OUTSIDE: Any = _Outside()
 
 
 def operation(op: str, query: bool = False) -> Callable[[Callable[..., Any]], Any]:
@@ -35,6 +53,8 @@ def operation(op: str, query: bool = False) -> Callable[[Callable[..., Any]], An
             rt = self.rt
             if query and (rt.silent or rt.me() is None):
                 return method(self, None, *args, **kwargs)
+            if rt.silent or rt.me() is None:  # setup, check or watch: nobody to schedule, nothing to wait for
+                return method(self, OUTSIDE, *args, **kwargs)
             if rt.aborted:
                 raise Abort
             # only a call that would wait with no timeout may be parked by the guard: a
@@ -84,4 +104,14 @@ class Primitive:
         return bool(call.arguments.get("blocking", True)) and not self.timed(call.arguments.get("timeout"))
 
     def wait_until(self, task: Any, ready: Callable[[], bool], why: Callable[[], str], timed: bool) -> bool:
+        if task is OUTSIDE:
+            if ready() or timed:
+                return ready()
+            raise RuntimeError(f"{why()}, outside the threads (setup, check or watch), where nothing can "
+                               "let it go")
         return self.rt.block(task, ready, why, timed)
+
+    def current(self) -> Any:
+        """The task calling, or OUTSIDE (setup, check, watch)."""
+        me = self.rt.me()
+        return OUTSIDE if me is None else me

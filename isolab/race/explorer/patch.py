@@ -115,6 +115,9 @@ def _unsupported_starts(rt: Scheduler) -> tuple[Callable[..., None], Callable[..
         if rt.me() is not None:
             rt.unsupported(f"starts a thread ({thread.name}); threads started inside a body (Thread.start, "
                            "an executor's submit) are not modelled: list them in Scenario.threads")
+        elif rt.managed():  # setup: the thread's start-up waits on a modelled Event nobody schedules
+            raise RuntimeError(f"starts a thread ({thread.name}); threads started in setup are not modelled: "
+                               "list their work in Scenario.threads")
         _REAL_START(thread)
 
     def submit(executor: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -83,11 +83,10 @@ class ModelLock(Primitive):
         return None
 
     def _acquire_restore(self, saved: Any) -> None:
-        task = self.rt.me()
-        self._take(task, True, None)
+        self._take(self.current(), True, None)
 
     def _is_owned(self) -> bool:
-        return self.owner is not None and self.owner is self.rt.me()
+        return self.owner is not None and self.owner is self.current()
 
 
 class ModelRLock(ModelLock):
@@ -100,7 +99,7 @@ class ModelRLock(ModelLock):
     def guard(self, op: str) -> Guard | None:
         if op != "acquire":
             return None
-        me = self.rt.me()
+        me = self.current()
         return (lambda: self.owner is None or self.owner is me), (lambda: f"waits for {self.name} held by {self.owner.name}")
 
     @operation("acquire")
@@ -126,7 +125,7 @@ class ModelRLock(ModelLock):
         return saved
 
     def _acquire_restore(self, saved: Any) -> None:
-        self._take(self.rt.me(), True, None)
+        self._take(self.current(), True, None)
         self.count = saved
 
 

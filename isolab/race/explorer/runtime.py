@@ -46,6 +46,7 @@ class Runtime(Scheduling):
         self.max_ops = self.limits.max_ops
         self.num_ops = 0
         self.targets = scenario.target_files()
+        self.reached = scenario.reached_files  # untraced Python code traced code calls (kept across executions)
         self.tasks: list[Task] = []
         self.by_ident: dict[int, Task] = {}
         self.points: list[ChoicePoint] = []
@@ -72,7 +73,7 @@ class Runtime(Scheduling):
             self.in_setup = True
             try:
                 self.state = self.scenario.setup()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # (SystemExit: it ended the tool with exit 0, silently)
                 raise InvalidRequestError(f"{self.scenario.name}: setup raised {type(exc).__name__}: {exc}") from None
             finally:
                 self.in_setup = False
@@ -183,8 +184,15 @@ class Runtime(Scheduling):
         errors = [f"{t.name} raised {t.error}" for t in self.tasks if t.error]
         try:
             verdict = "; ".join(errors) if errors else self.scenario.check(self.state, results)
+        except SystemExit as exc:
+            raise InvalidRequestError(f"{self.scenario.name}: check raised SystemExit: {exc}") from None
+        except AssertionError as exc:  # a check written with assert: a failed assert is the finding
+            return Outcome.FAILED, f"check's assert failed: {exc}" if str(exc) else "check's assert failed"
         except Exception as exc:
             raise InvalidRequestError(f"{self.scenario.name}: check raised {type(exc).__name__}: {exc}") from None
+        if verdict is not None and not isinstance(verdict, str):  # True for "fine" read as a failure ("failed: True")
+            raise InvalidRequestError(f"{self.scenario.name}: check returned {verdict!r}: return None when the run "
+                                      "is right, else a sentence saying what went wrong", field="check")
         return (Outcome.FAILED, verdict) if verdict else (Outcome.OK, None)
 
     def _thread_main(self, task: Task) -> None:
@@ -202,7 +210,7 @@ class Runtime(Scheduling):
                 sys.setprofile(None)
         except Abort:
             return
-        except Exception as exc:  # the body's own failure is a finding, not a crash
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the body's own failure is a finding, not a crash
             task.error = f"{type(exc).__name__}: {exc}"
             if os.environ.get("ISOLAB_DEBUG"):
                 traceback.print_exc()

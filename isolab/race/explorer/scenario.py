@@ -26,6 +26,26 @@ from isolab.errors import InvalidRequestError
 from isolab.race.explorer import scope
 
 
+def _check_callable(scenario: str, what: str, fn: Any, args: tuple[Any, ...]) -> None:
+    """A body, setup or check that cannot be called as the explorer calls it: one sentence now
+    (a body of the wrong arity was reported as a race, 'T1 raised TypeError'; a generator body
+    never ran its code)."""
+    if not callable(fn):
+        raise InvalidRequestError(f"scenario {scenario}: {what} is a {type(fn).__name__}, not a function",
+                                  field="threads")
+    if inspect.isgeneratorfunction(inspect.unwrap(fn)) or inspect.isasyncgenfunction(inspect.unwrap(fn)):
+        raise InvalidRequestError(f"scenario {scenario}: {what} is a generator function: calling it runs none of "
+                                  "its code (drop the yield, or loop over it inside a plain function)", field="threads")
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as exc:
+        want = {0: "no arguments", 1: "one argument, the state", 2: "two arguments, the state and the results"}
+        raise InvalidRequestError(f"scenario {scenario}: {what} must take {want[len(args)]} ({exc})",
+                                  field="threads") from None
+    except ValueError:
+        pass  # a builtin without a signature: its first call says
+
+
 @dataclass(frozen=True)
 class Scenario:
     """Two or more threads over one shared state, and what must hold when they are done.
@@ -52,6 +72,13 @@ class Scenario:
             raise InvalidRequestError(f"scenario {self.name} has no threads", field="threads")
         if self.thread_names and len(self.thread_names) != len(self.threads):
             raise InvalidRequestError(f"scenario {self.name}: one name per thread", field="thread_names")
+        if len(set(self.names)) < len(self.names):  # a schedule names its threads: two alike could not replay
+            raise InvalidRequestError(f"scenario {self.name}: thread names {', '.join(self.names)} are not all "
+                                      "different", field="thread_names")
+        for name, fn, args in (("setup", self.setup, ()), ("check", self.check, (None, ())),
+                               *((f"thread {n}", body, (None,)) for n, body in zip(self.names, self.threads,
+                                                                                    strict=True))):
+            _check_callable(self.name, name, fn, args)
         for name in self.trace_modules:
             scope.import_module(name)
 
@@ -84,6 +111,17 @@ class Scenario:
     @cached_property
     def _target_files(self) -> frozenset[str]:
         return scope.target_files(self._functions(), self._roots(), self.trace_modules, self.trace_dirs)
+
+    @cached_property
+    def reached_files(self) -> set[str]:
+        """Files of untraced Python code that traced code called, gathered over the executions."""
+        return set()
+
+    def reached_untraced(self) -> tuple[str, ...]:
+        """Modules the executions reached without tracing them that untraced() could not name before
+        running: the standard library's Python code (collections.Counter.update) and modules
+        imported at run time. A race inside them is not explored."""
+        return scope.reached_modules(self.reached_files, self.untraced())
 
     @cached_property
     def code_infos(self) -> dict[Any, Any]:
@@ -138,7 +176,7 @@ def load(target: str, trace_modules: Sequence[str] = ()) -> Scenario:
         else:
             try:
                 module = importlib.import_module(head)
-            except Exception as exc:  # ImportError, or the module's own error on import
+            except (Exception, SystemExit) as exc:  # ImportError, or the module's own error on import
                 raise InvalidRequestError(f"cannot import {head!r}: {_one_line(exc)}") from None
         obj = getattr(module, attr, None)
         if obj is None:
@@ -148,7 +186,7 @@ def load(target: str, trace_modules: Sequence[str] = ()) -> Scenario:
             obj = obj()
         except InvalidRequestError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise InvalidRequestError(f"{target} raised while building the scenario: {_one_line(exc)}") from None
     if not isinstance(obj, Scenario):
         raise InvalidRequestError(f"{target} is not a Scenario nor a function returning one (got {type(obj).__name__})")
@@ -175,7 +213,7 @@ def _load_file(path: Path) -> types.ModuleType:
     except SyntaxError as exc:
         sys.modules.pop(name, None)
         raise InvalidRequestError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (SystemExit at import ended the tool with its code, silently)
         sys.modules.pop(name, None)
         raise InvalidRequestError(f"cannot load {path}: {_one_line(exc)}") from None
     return module

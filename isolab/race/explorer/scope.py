@@ -93,6 +93,30 @@ def untraced(root_modules: list[types.ModuleType], traced: frozenset[str]) -> tu
     return tuple(sorted(names))
 
 
+# Reached often, never a finding's place: the modelled primitives' own modules (their locking is
+# modelled, their code is not traced), and what an import or a class statement runs.
+_QUIET_REACHED = frozenset({"threading", "queue", "importlib", "abc", "typing", "enum", "weakref", "_weakrefset",
+                            "contextlib", "functools", "dataclasses", "codecs", "encodings"})
+
+
+def reached_modules(files: set[str], known: tuple[str, ...]) -> tuple[str, ...]:
+    """The modules of `files` (Python code traced code called at run time and the explorer did not
+    trace: the standard library, a module imported inside a function), less `known` ones and the
+    quiet ones above."""
+    by_file = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path:
+            by_file[path] = module.__name__
+    names = set()
+    for path in files:
+        name = by_file.get(path)
+        if name is None or _explorer(path) or name.split(".")[0] in _QUIET_REACHED or name in known:
+            continue
+        names.add(name)
+    return tuple(sorted(names))
+
+
 _NAME_KINDS = {"LOAD_ATTR": "attr", "LOAD_METHOD": "attr", "STORE_ATTR": "attr", "DELETE_ATTR": "attr",
                "LOAD_GLOBAL": "global", "STORE_GLOBAL": "global", "DELETE_GLOBAL": "global",
                "STORE_NAME": "global", "DELETE_NAME": "global",

@@ -39,6 +39,7 @@ class Tracer(Recorder):
     aborted: bool
     silent: bool
     targets: frozenset[str]
+    reached: set[str]
     max_ops: int
     num_ops: int
 
@@ -75,7 +76,7 @@ class Tracer(Recorder):
 
     def _call_hook(self, task: Task, trace_local: Any) -> Any:
         """Python frames entered: a switch point (RESUME); traced ones get `trace_local`."""
-        targets, touched, wildcard = self.targets, self.touched, footprint.WILDCARD
+        targets, touched, wildcard, reached = self.targets, self.touched, footprint.WILDCARD, self.reached
         explorer_prefix = EXPLORER_DIR + os.sep
 
         def trace_call(frame: Any, event: str, arg: Any) -> Any:
@@ -90,6 +91,7 @@ class Tracer(Recorder):
             if not traced:  # ... and so does what the model's code calls: find who called
                 if back is not None and back.f_code.co_filename in targets:
                     touched.add(wildcard)  # untraced Python code called from traced code
+                    reached.add(filename)  # (the report names its module: a race in there is not explored)
                 caller = back
                 while caller is not None:
                     caller_file = caller.f_code.co_filename
