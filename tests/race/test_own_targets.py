@@ -205,3 +205,17 @@ scenario = Scenario("ordered", Bank, (lambda k: transfer(k.a, k.b, 10), lambda k
     assert explore(tmp_path, code, "scenario", "--bound", "3", "--max-executions", "100") == ExitCode.INCONCLUSIVE
     out = capsys.readouterr().out
     assert "execution budget reached" in out and "every schedule with at most" in out and "cut short" in out, out
+
+
+def test_a_package_target_is_found_in_the_current_folder(tmp_path, capsys, monkeypatch):
+    """`isolab race explore mypkg.acct:scenario` from the package's folder: 'No module named mypkg'."""
+    import sys
+
+    pkg = tmp_path / "ownpkg42"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "acct.py").write_text(HEAD + STDLIB_RACE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["race", "explore", "ownpkg42.acct:scenario", "--quiet"]) == ExitCode.HOLDS
+    assert "explore ctr" in capsys.readouterr().out

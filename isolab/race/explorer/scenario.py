@@ -175,7 +175,7 @@ def load(target: str, trace_modules: Sequence[str] = ()) -> Scenario:
             trace_dirs = (os.path.dirname(os.path.abspath(head)),)
         else:
             try:
-                module = importlib.import_module(head)
+                module = _import_here(head)
             except (Exception, SystemExit) as exc:  # ImportError, or the module's own error on import
                 raise InvalidRequestError(f"cannot import {head!r}: {_one_line(exc)}") from None
         obj = getattr(module, attr, None)
@@ -195,6 +195,19 @@ def load(target: str, trace_modules: Sequence[str] = ()) -> Scenario:
     extra = tuple(m for m in trace_modules if m not in obj.trace_modules)
     return replace(obj, trace_modules=obj.trace_modules + extra, trace_dirs=obj.trace_dirs + trace_dirs,
                    target=target)
+
+
+def _import_here(name: str) -> types.ModuleType:
+    """import `name`; a package in the current folder is found as `python -m` finds it (the
+    `isolab` script does not put the folder on sys.path: 'No module named mypkg')."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != name.split(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(name)
 
 
 def _load_file(path: Path) -> types.ModuleType:
