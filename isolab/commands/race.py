@@ -151,8 +151,20 @@ def _explore(args: argparse.Namespace) -> int:
     from isolab.race.explorer_cli import limits_of, run_explore, run_replay
 
     if args.list:
+        if args.target is not None:  # (the target was ignored)
+            raise InvalidRequestError("--list prints the built-in targets: give it alone, or a target without it")
         print("\n".join(scenarios.builtin_names()))
         return 0
+    # flags one mode reads and the other would ignore without a word
+    ignored = [(flag, why) for flag, value, default, why in (
+        ("--seed", args.seed, 0, "--strategy pct"), ("--runs", args.runs, 200, "--strategy pct"),
+        ("--depth", args.depth, 2, "--strategy pct"), ("--times", args.times, 10, "--replay"))
+        if value != default and (args.strategy != "pct" if why == "--strategy pct" else args.replay is None)]
+    if args.strategy == "pct" and args.bound != 2 and args.replay is None:
+        ignored.append(("--bound", "--strategy bounded (pct has --depth)"))
+    if ignored:
+        flag, why = ignored[0]
+        raise InvalidRequestError(f"{flag} is read only with {why}", field=flag.lstrip("-"))
     for flag, value, least in (("--bound", args.bound, 0), ("--times", args.times, 1), ("--runs", args.runs, 1),
                                ("--depth", args.depth, 1)):
         if value < least:

@@ -219,3 +219,15 @@ def test_a_package_target_is_found_in_the_current_folder(tmp_path, capsys, monke
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert main(["race", "explore", "ownpkg42.acct:scenario", "--quiet"]) == ExitCode.HOLDS
     assert "explore ctr" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["passcode:buggy", "--seed", "3"], "--seed is read only with --strategy pct"),
+    (["passcode:buggy", "--runs", "5"], "--runs is read only with --strategy pct"),
+    (["passcode:buggy", "--times", "3"], "--times is read only with --replay"),
+    (["passcode:buggy", "--strategy", "pct", "--bound", "3"], "--bound is read only with --strategy bounded"),
+    (["passcode:buggy", "--list"], "--list prints the built-in targets"),
+])
+def test_flags_the_mode_would_ignore_are_refused(capsys, flags, says):
+    assert main(["race", "explore", *flags]) == ExitCode.USAGE
+    assert says in capsys.readouterr().err
