@@ -161,13 +161,18 @@ def _scale_out(args: argparse.Namespace) -> Any:
     from isolab.scaleout import RoutingConfig, ScaleOut, ScaleOutError, require_ray
 
     require_ray()
-    if args.replica_gpus and not args.ray_address:
+    if args.replica_gpus and args.replica_gpus > 0 and not args.ray_address:
         import torch
 
         if not torch.cuda.is_available():  # a local Ray would wait for a GPU forever
             raise ScaleOutError("--replica-gpus asks for GPUs this machine does not have; give --ray-address to join "
                                 "a cluster that has them, or leave it at 0")
-    threads = args.replica_threads or max(1, (os.cpu_count() or 1) // max(1, args.replicas))
+    threads = args.replica_threads if args.replica_threads is not None else \
+        max(1, (os.cpu_count() or 1) // max(1, args.replicas))  # (0 was taken as this default)
+    from isolab.models.gguf_loader import check_model_file
+    from isolab.models.locate import resolve_model_path
+
+    check_model_file(resolve_model_path(args.model))  # here, in a sentence: a replica's error reached only Ray's log
     return ScaleOut(replicas=args.replicas, threads_per_replica=threads, ray_address=args.ray_address,
                     cpus_per_replica=args.replica_cpus, gpus_per_replica=args.replica_gpus, routing=RoutingConfig(policy=args.routing or "affinity"))
 

@@ -229,6 +229,12 @@ def _open_reader(path: Path):
         raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
+def check_model_file(path: str | Path) -> LlamaHParams:
+    """The file is a GGUF of an architecture isolab runs: its hyperparameters, from the metadata alone
+    (what a process that starts engines elsewhere checks first), or a ModelLoadError."""
+    return read_hparams(_open_reader(Path(path)))
+
+
 def read_hparams(reader) -> LlamaHParams:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +39,9 @@ class ScaleOutError(IsolabError):
     """Ray is missing, or the replicas could not be started."""
 
 
+MAX_REPLICAS_JOINED = 1024
+
+
 @dataclass(frozen=True)
 class ScaleOut:
     replicas: int
@@ -54,6 +59,16 @@ class ScaleOut:
             raise ScaleOutError(f"--replicas must be at least 1, not {self.replicas}")
         if self.threads_per_replica < 1:
             raise ScaleOutError(f"--replica-threads must be at least 1, not {self.threads_per_replica}")
+        if self.cpus_per_replica is not None and not 0 < self.cpus_per_replica < math.inf:
+            raise ScaleOutError(f"--replica-cpus must be more than 0, not {self.cpus_per_replica}")
+        if not 0 <= self.gpus_per_replica < math.inf:
+            raise ScaleOutError(f"--replica-gpus must be 0 or more, not {self.gpus_per_replica}")
+        # each replica is an engine process with its own KV pool; 100,000 of them took the machine's memory
+        most = MAX_REPLICAS_JOINED if self.ray_address is not None else max(8, 4 * (os.cpu_count() or 1))
+        if self.replicas > most:
+            where = "on a joined cluster" if self.ray_address is not None else \
+                f"on this machine's own Ray (4 a core, {os.cpu_count()} cores; join a cluster with --ray-address for more)"
+            raise ScaleOutError(f"--replicas {self.replicas} is more than {most} {where}")
 
 
 def require_ray() -> Any:
@@ -72,6 +87,8 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
     if plan.ray_address is not None and plan.ray_address.startswith("ray://"):
         raise ScaleOutError("--ray-address ray://... (Ray Client) cannot stream from Serve replicas: run isolab serve "
                             "on a node of the cluster with --ray-address auto (or HEAD_IP:6379)")
+    if plan.ray_address not in (None, "auto", "local") and not ray.is_initialized():
+        _check_reachable(plan.ray_address)  # (ray.init waited forever on an address with nothing behind it)
     # local: a Ray instance of our own, stopped with the server; joined: only our apps are ever removed
     local = plan.ray_address is None and not ray.is_initialized()
     prefix = f"isolab-{uuid.uuid4().hex[:8]}-replica-"
@@ -106,9 +123,9 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
                                    name=f"{prefix}{i}", route_prefix=None) for i in range(plan.replicas)]
         handles = serve.run_many(targets)
         facts: ReplicaFacts = handles[0].facts.remote().result(timeout_s=300)
-    except Exception as exc:
+    except BaseException as exc:  # a Ctrl-C while replicas start too: on a joined cluster they would outlive us
         _teardown(prefix, local)
-        if isinstance(exc, IsolabError):
+        if isinstance(exc, IsolabError) or not isinstance(exc, Exception):
             raise
         raise ScaleOutError(f"the engine replicas did not start ({type(exc).__name__}: {str(exc)[:300]})") from exc
     replicas = ReplicaSet(handles, Router(plan.replicas, dataclasses.replace(plan.routing,
@@ -117,6 +134,19 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
     log.info("%d engine replica(s) on Ray Serve, %d thread(s) each, routing %s", plan.replicas,
              plan.threads_per_replica, plan.routing.policy)
     return replicas, facts
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """HOST:PORT of a Ray cluster's head answers a TCP connect, or one sentence now."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ScaleOutError(f"--ray-address {address!r}: give HOST:PORT of the cluster's head (e.g. 10.0.0.5:6379) "
+                            "or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ScaleOutError(f"--ray-address {address!r}: nothing answers there ({exc.strerror or exc}): is the "
+                            "cluster's head running (`ray start --head`), and is this its GCS port?") from None
 
 
 def _for_replica(config: EngineConfig, index: int) -> EngineConfig:

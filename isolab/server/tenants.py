@@ -101,14 +101,20 @@ class TenantRegistry:
 def parse_keys_text(text: str, source: str) -> dict[str, str]:
     """A keys file's text -> {key: tenant}. JSON object, or `KEY TENANT` lines."""
     stripped = text.strip()
+    if stripped.startswith("["):  # (it was read as lines: "tenant id '"alice"]' must be ...")
+        raise InvalidRequestError(f"{source} is a JSON list: give a JSON object {{\"KEY\": \"TENANT\", ...}} or "
+                                  "'KEY TENANT' lines", field="api_keys")
     if stripped.startswith("{"):
         try:
-            data = json.loads(stripped)
+            pairs = json.loads(stripped, object_pairs_hook=list)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{source} is not valid JSON ({exc.msg}, line {exc.lineno})", field="api_keys") from None
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
             raise InvalidRequestError(f"{source} must map key strings to tenant strings", field="api_keys")
-        return dict(data)
+        data: dict[str, str] = {}
+        for i, (key, tenant) in enumerate(pairs, 1):  # (json.loads kept the last of two equal keys, silently)
+            _add(data, key, tenant, f"{source} entry {i}")
+        return data
     keys: dict[str, str] = {}
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()

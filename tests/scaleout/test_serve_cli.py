@@ -30,3 +30,22 @@ def test_ray_client_addresses_are_refused_in_one_sentence(capsys):
     assert main(["serve", "--replicas", "1", "--ray-address", "ray://head:10001", "--no-auth"]) == 2
     err = capsys.readouterr().err
     assert "Ray Client" in err and "--ray-address auto" in err and "Traceback" not in err
+
+
+def test_replica_flags_out_of_range_are_refused_before_ray_starts(capsys):
+    """Found by a black-box QA pass (session 42): --replicas 100000 took 16 GB in a minute, a zero
+    thread count was taken as the default, a negative CPU count failed inside Ray seven seconds on,
+    and a replica's missing model reached only Ray's controller log."""
+    import pytest
+
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    for flags, says in ((["--replicas", "100000"], "--replicas 100000 is more than"),
+                        (["--replicas", "2", "--replica-threads", "0"], "--replica-threads must be at least 1, not 0"),
+                        (["--replicas", "2", "--replica-cpus", "-1"], "--replica-cpus must be more than 0"),
+                        (["--replicas", "2", "--replica-gpus", "-1"], "--replica-gpus must be 0 or more"),
+                        (["--replicas", "2", "--model", "/nonexistent.gguf"], "model file '/nonexistent.gguf' does not exist"),
+                        (["--replicas", "2", "--ray-address", "garbage"], "give HOST:PORT of the cluster's head"),
+                        (["--replicas", "2", "--ray-address", "127.0.0.1:1"], "nothing answers there")):
+        assert main(["serve", "--no-auth", "--port", "0", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (flags, err)

@@ -33,6 +33,16 @@ def test_keys_file_formats_and_env():
         parse_keys_env("k1")
 
 
+def test_a_json_keys_file_refuses_a_key_given_twice_and_a_list():
+    """json.loads kept the last of two equal keys: a key meant for alice served bob's cache."""
+    with pytest.raises(InvalidRequestError, match="entry 2: this key is already given"):
+        parse_keys_text('{"sk-dup": "alice", "sk-dup": "bob"}', "f")
+    with pytest.raises(InvalidRequestError, match="is a JSON list"):
+        parse_keys_text('["sk-a", "alice"]', "f")
+    with pytest.raises(InvalidRequestError, match="must map key strings"):
+        parse_keys_text('{"sk-a": {"tenant": "alice"}}', "f")
+
+
 def test_registry_authenticates_and_refuses_empty(tmp_path):
     reg = load_registry(None, no_auth=False, environ={"ISOLAB_API_KEYS": "k1=alice,k2=bob"})
     assert reg.authenticate("k1") == Tenant("alice") and reg.authenticate("k2") == Tenant("bob")
