@@ -17,6 +17,9 @@ from pathlib import Path
 from isolab.errors import InvalidRequestError
 
 
+REPLAY_TIMES = 10
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     race = subparsers.add_parser("race", help="the race lab: stress the passcode checkers, explore interleavings")
     sub = race.add_subparsers(dest="race_command", metavar="SUBCOMMAND")
@@ -39,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="passcode:VARIANT, fixtures:NAME, workloads:NAME (--list), module:name or file.py:name")
     _add_search_args(explore)
     explore.add_argument("--replay", type=Path, default=None, help="replay a saved schedule instead of searching")
-    explore.add_argument("--times", type=int, default=10, help="replays of --replay (default 10)")
+    explore.add_argument("--times", type=int, default=REPLAY_TIMES, help=f"replays of --replay (default {REPLAY_TIMES})")
     explore.add_argument("--list", action="store_true", help="list the built-in scenarios")
     explore.add_argument("--trace-module", action="append", default=[], metavar="MODULE",
                          help="also trace this module (repeatable); by default the target's folder and the "
@@ -150,21 +153,23 @@ def _explore(args: argparse.Namespace) -> int:
     from isolab.race.explorer import scenario as scenarios
     from isolab.race.explorer_cli import limits_of, run_explore, run_replay
 
+    from isolab.commands.common import flags_set
+
+    searching = dict((dest, option) for option, dest in flags_set(args, _add_search_args))  # away from defaults
     if args.list:
-        if args.target is not None:  # (the target was ignored)
-            raise InvalidRequestError("--list prints the built-in targets: give it alone, or a target without it")
+        if args.target is not None or searching or args.replay is not None:  # (they were ignored)
+            raise InvalidRequestError("--list prints the built-in targets: give it alone")
         print("\n".join(scenarios.builtin_names()))
         return 0
-    # flags one mode reads and the other would ignore without a word
-    ignored = [(flag, why) for flag, value, default, why in (
-        ("--seed", args.seed, 0, "--strategy pct"), ("--runs", args.runs, 200, "--strategy pct"),
-        ("--depth", args.depth, 2, "--strategy pct"), ("--times", args.times, 10, "--replay"))
-        if value != default and (args.strategy != "pct" if why == "--strategy pct" else args.replay is None)]
-    if args.strategy == "pct" and args.bound != 2 and args.replay is None:
-        ignored.append(("--bound", "--strategy bounded (pct has --depth)"))
-    if ignored:
-        flag, why = ignored[0]
-        raise InvalidRequestError(f"{flag} is read only with {why}", field=flag.lstrip("-"))
+    if args.replay is None:  # (a replay refuses every search flag below, with its own sentence)
+        # flags one strategy reads and the other would ignore without a word
+        pct_only = [searching[d] for d in ("seed", "runs", "depth") if d in searching and args.strategy != "pct"]
+        if pct_only:
+            raise InvalidRequestError(f"{pct_only[0]} is read only with --strategy pct", field="strategy")
+        if "bound" in searching and args.strategy == "pct":
+            raise InvalidRequestError("--bound is read only with --strategy bounded (pct has --depth)", field="bound")
+        if args.times != REPLAY_TIMES:
+            raise InvalidRequestError("--times is read only with --replay", field="times")
     for flag, value, least in (("--bound", args.bound, 0), ("--times", args.times, 1), ("--runs", args.runs, 1),
                                ("--depth", args.depth, 1)):
         if value < least:
@@ -178,8 +183,6 @@ def _explore(args: argparse.Namespace) -> int:
         if not all(part.isidentifier() for part in name.split(".")):
             raise InvalidRequestError(f"--trace-module {name!r} is not a module name (e.g. mypkg.accounts)")
     if args.replay is not None:
-        from isolab.commands.common import flags_set
-
         found = flags_set(args, _add_search_args)
         if found:  # (they were ignored without a word)
             raise InvalidRequestError(f"{found[0][0]} belongs to a search; --replay follows its schedule file, which "

@@ -57,7 +57,7 @@ def parse_check(spec: str) -> Check:
             sys.path.insert(0, "")
         try:
             fn = getattr(importlib.import_module(parts[1]), parts[2])
-        except Exception as exc:  # ImportError, AttributeError, a SyntaxError in the module, what it raises
+        except (Exception, SystemExit) as exc:  # ImportError, AttributeError, a SyntaxError, what it raises
             raise InvalidRequestError(f"--check {spec!r}: cannot load it ({type(exc).__name__}: {exc})",
                                       field="check") from None
         if not callable(fn):
@@ -73,7 +73,7 @@ def parse_check(spec: str) -> Check:
         def check(prompt: str, text: str) -> bool:
             try:
                 return bool(fn(prompt, text))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # (SystemExit ended the doctor with exit 0: "no symptom")
                 raise InvalidRequestError(f"--check {spec!r} raised {type(exc).__name__}: {exc}", field="check") from None
 
         return check

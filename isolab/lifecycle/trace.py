@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from isolab.engine.events import EVENT_KINDS
-from isolab.errors import InvalidRequestError
+from isolab.errors import InvalidRequestError, is_whole
 
 REQUIRED = ("step", "event", "block", "request", "scope")
 
@@ -106,13 +106,10 @@ def read_records(path: str | Path, notes: list[str] | None = None) -> list[dict]
 
 def _is_event(rec: object) -> bool:
     """The shape build() relies on: integer step, block (and refs), a known event, text-or-null names."""
-    def whole(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
     return (isinstance(rec, dict) and all(k in rec for k in REQUIRED) and isinstance(rec["event"], str)
-            and rec["event"] in EVENT_KINDS and whole(rec["step"]) and whole(rec["block"])
+            and rec["event"] in EVENT_KINDS and is_whole(rec["step"]) and is_whole(rec["block"])
             and all(rec[k] is None or isinstance(rec[k], str) for k in ("request", "scope"))
-            and ("refs" not in rec or whole(rec["refs"])))
+            and ("refs" not in rec or is_whole(rec["refs"])))
 
 
 def build(records: list[dict]) -> Trace:

@@ -85,7 +85,7 @@ class ProbeResult:
 
 def estimate_requests(cfg: ProbeConfig, salt_too: bool) -> int:
     s = cfg.sizes
-    per = {"concurrency": 8 + s.flood, "prefix-cache": 18 + 12 + s.first_blocks + 12, "reuse": 8 + s.flood + 12,
+    per = {"concurrency": 8 + s.flood, "prefix-cache": 18 + 12 + s.first_blocks + 12, "reuse": 8 + s.flood + 7,
            "tenants": 6 * (2 if salt_too else 1) + 4 * s.timing_samples, "seeded": 9 + s.flood, "monitoring": 1}
     return 3 + (1 if salt_too else 0) + sum(per[n] for n in cfg.scenarios)  # (calibration: 3, a made-up key)
 

@@ -64,10 +64,12 @@ class ScaleOut:
         if not 0 <= self.gpus_per_replica < math.inf:
             raise ScaleOutError(f"--replica-gpus must be 0 or more, not {self.gpus_per_replica}")
         # each replica is an engine process with its own KV pool; 100,000 of them took the machine's memory
-        most = MAX_REPLICAS_JOINED if self.ray_address is not None else max(8, 4 * (os.cpu_count() or 1))
+        joined = self.ray_address not in (None, "local")
+        most = MAX_REPLICAS_JOINED if joined else max(8, 4 * (os.cpu_count() or 1))
         if self.replicas > most:
-            where = "on a joined cluster" if self.ray_address is not None else \
-                f"on this machine's own Ray (4 a core, {os.cpu_count()} cores; join a cluster with --ray-address for more)"
+            where = "on a joined cluster" if joined else \
+                (f"on this machine's own Ray (4 a core, at least 8; {os.cpu_count()} cores here): join a cluster "
+                 "with --ray-address for more")
             raise ScaleOutError(f"--replicas {self.replicas} is more than {most} {where}")
 
 

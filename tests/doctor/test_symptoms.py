@@ -50,6 +50,10 @@ def test_a_broken_python_check_is_a_sentence(tmp_path, monkeypatch):
                        ("python:checks:one", "two arguments"), ("python:os.path:exists", "two arguments")):
         with pytest.raises(InvalidRequestError, match=says):
             parse_check(spec)
+    (tmp_path / "exits.py").write_text("def f(p, t):\n    raise SystemExit(0)\n")
+    with pytest.raises(InvalidRequestError, match="raised SystemExit"):  # (the doctor ended with exit 0)
+        find_symptoms([Item("r0", "p")], {"r0": res([1], text="x", rid="r0")}, {}, exact=True,
+                      checks=[parse_check("python:exits:f")])
     check = parse_check("python:checks:boom")
     with pytest.raises(InvalidRequestError, match="raised ValueError: boom"):
         find_symptoms([Item("r0", "p")], {"r0": res([1], text="x", rid="r0")}, {}, exact=True, checks=[check])

@@ -58,19 +58,32 @@ def test_primitives_in_setup_check_and_watch_behave_as_plain_ones(tmp_path, caps
     assert explore(tmp_path, PRIMITIVES_OUTSIDE) == ExitCode.HOLDS, capsys.readouterr()
 
 
-def test_check_waiting_for_a_lock_a_thread_kept_is_one_sentence(tmp_path, capsys):
+def test_a_check_waiting_for_a_lock_a_thread_kept_is_the_finding(tmp_path, capsys):
+    """Only the preempted schedule leaks the lock: a check that would wait for it reports that
+    schedule (a usage error would hide it), and names the holder."""
     code = '''
 class S:
     def __init__(self):
         self.lock = threading.Lock()
+        self.count = 0
 
 def body(s):
-    s.lock.acquire(blocking=False)          # T0 takes it and never gives it back
+    n = s.count
+    s.count = n + 1                         # a lost update ...
+    if s.count == 1:
+        s.lock.acquire(blocking=False)      # the first in takes the lock,
+    elif s.count == 2:
+        s.lock.release()                    # the second gives it back: ... and nobody does
 
-scenario = Scenario("kept", S, (body,), lambda s, r: None if s.lock.acquire() else "no")
+def check(s, results):
+    with s.lock:
+        return None
+
+scenario = Scenario("kept", S, (body, body), check)
 '''
-    assert explore(tmp_path, code) == ExitCode.USAGE
-    assert "held by T0, outside the threads" in capsys.readouterr().err
+    assert explore(tmp_path, code) == ExitCode.BUG
+    out = capsys.readouterr().out
+    assert "check waits for" in out and "outside the threads" in out, out
 
 
 COUNTER = '''
@@ -227,7 +240,48 @@ def test_a_package_target_is_found_in_the_current_folder(tmp_path, capsys, monke
     (["passcode:buggy", "--times", "3"], "--times is read only with --replay"),
     (["passcode:buggy", "--strategy", "pct", "--bound", "3"], "--bound is read only with --strategy bounded"),
     (["passcode:buggy", "--list"], "--list prints the built-in targets"),
+    (["--list", "--seed", "4"], "--list prints the built-in targets"),
 ])
 def test_flags_the_mode_would_ignore_are_refused(capsys, flags, says):
     assert main(["race", "explore", *flags]) == ExitCode.USAGE
     assert says in capsys.readouterr().err
+
+
+def test_results_and_watches_that_vary_do_not_make_a_target_unrepeatable(tmp_path, capsys):
+    """Only the verdict must repeat: a body returning a clock, or a watch returning an int, was refused
+    (or a TypeError traceback) by the first form of the repeatability check."""
+    code = COUNTER.replace("    s.x += 1", "    with s.lock:\n        s.x += 1\n    return time.monotonic()") + '''
+import time
+
+def make():
+    s = S()
+    s.lock = threading.Lock()
+    return s
+
+scenario = Scenario("clock", make, (body, body), lambda s, r: None if s.x == 2 else f"x={s.x}", watch=lambda s: s.x)
+'''
+    assert explore(tmp_path, code) == ExitCode.HOLDS, capsys.readouterr()
+
+
+def test_a_watch_inside_a_thread_reads_a_condition_as_a_plain_one(tmp_path, capsys):
+    """The narrative's watch runs inside a thread's step: a Condition used there failed with
+    'cannot notify on un-acquired lock' on every line."""
+    code = '''
+class S:
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.x = 0
+
+def body(s):
+    s.x += 1
+
+def watch(s):
+    with s.cond:
+        s.cond.notify_all()
+        return f"x={s.x}"
+
+scenario = Scenario("condwatch", S, (body, body), lambda s, r: None if s.x == 2 else f"x={s.x}", watch=watch)
+'''
+    assert explore(tmp_path, code) == ExitCode.BUG
+    out = capsys.readouterr().out
+    assert "x=1" in out and "<RuntimeError>" not in out, out

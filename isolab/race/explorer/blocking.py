@@ -40,6 +40,10 @@ class _Outside:
 OUTSIDE: Any = _Outside()
 
 
+class OutsideWait(RuntimeError):
+    """Setup, check or watch would wait for what only a thread can let go (a lock a thread kept)."""
+
+
 def operation(op: str, query: bool = False) -> Callable[[Callable[..., Any]], Any]:
     """Wraps a primitive method: a sync point named `<primitive>.<op>` before, after_sync after,
     whatever way the method returns. The method gets the calling task after `self`. A `query`
@@ -107,11 +111,11 @@ class Primitive:
         if task is OUTSIDE:
             if ready() or timed:
                 return ready()
-            raise RuntimeError(f"{why()}, outside the threads (setup, check or watch), where nothing can "
-                               "let it go")
+            raise OutsideWait(f"{why()}, outside the threads (setup, check or watch), where nothing can "
+                              "let it go")
         return self.rt.block(task, ready, why, timed)
 
     def current(self) -> Any:
         """The task calling, or OUTSIDE (setup, check, watch)."""
         me = self.rt.me()
-        return OUTSIDE if me is None else me
+        return OUTSIDE if me is None or self.rt.silent else me  # (a watch runs silent inside a thread)

@@ -22,7 +22,7 @@ import traceback
 from typing import Any
 
 from isolab.errors import InvalidRequestError
-from isolab.race.explorer.blocking import Primitive
+from isolab.race.explorer.blocking import OutsideWait, Primitive
 from isolab.race.explorer.names import Namer, where
 from isolab.race.explorer.patch import modelled
 from isolab.race.explorer.scenario import Scenario
@@ -186,6 +186,8 @@ class Runtime(Scheduling):
             verdict = "; ".join(errors) if errors else self.scenario.check(self.state, results)
         except SystemExit as exc:
             raise InvalidRequestError(f"{self.scenario.name}: check raised SystemExit: {exc}") from None
+        except OutsideWait as exc:  # a lock a thread kept in this schedule: the schedule's finding
+            return Outcome.FAILED, f"check {exc}"
         except AssertionError as exc:  # a check written with assert: a failed assert is the finding
             return Outcome.FAILED, f"check's assert failed: {exc}" if str(exc) else "check's assert failed"
         except Exception as exc:

@@ -207,7 +207,11 @@ def _import_here(name: str) -> types.ModuleType:
         if exc.name != name.split(".")[0] or here in sys.path or "" in sys.path:
             raise
         sys.path.insert(0, here)
-        return importlib.import_module(name)
+        try:
+            return importlib.import_module(name)
+        except BaseException:
+            sys.path.remove(here)  # (not found here either: the folder goes back off the path)
+            raise
 
 
 def _load_file(path: Path) -> types.ModuleType:
