@@ -16,7 +16,6 @@ from pathlib import Path
 
 from isolab.errors import InvalidRequestError
 
-
 REPLAY_TIMES = 10
 
 
@@ -150,10 +149,9 @@ def _stress(args: argparse.Namespace) -> int:
 
 
 def _explore(args: argparse.Namespace) -> int:
+    from isolab.commands.common import flags_set
     from isolab.race.explorer import scenario as scenarios
     from isolab.race.explorer_cli import limits_of, run_explore, run_replay
-
-    from isolab.commands.common import flags_set
 
     searching = dict((dest, option) for option, dest in flags_set(args, _add_search_args))  # away from defaults
     if args.list:
