@@ -132,7 +132,8 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
         raise ScaleOutError(f"the engine replicas did not start ({type(exc).__name__}: {str(exc)[:300]})") from exc
     replicas = ReplicaSet(handles, Router(plan.replicas, dataclasses.replace(plan.routing,
                                                                               block_size=config.cache.block_size)),
-                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(prefix, local))
+                          poll_s=plan.poll_s, on_shutdown=lambda: _teardown(prefix, local),
+                          cluster_gone=_local_ray_died if local else lambda: False)
     log.info("%d engine replica(s) on Ray Serve, %d thread(s) each, routing %s", plan.replicas,
              plan.threads_per_replica, plan.routing.policy)
     return replicas, facts

@@ -73,12 +73,19 @@ class _Replica:
     opening: asyncio.Lock = field(default_factory=asyncio.Lock)  # one channel open at a time
 
 
+CLUSTER_LOST = ("the Ray instance this server started has stopped (one of its processes exited): no engine "
+                "replica can come back; restart isolab serve")
+
+
 class ReplicaSet(AdmissionBound):
     def __init__(self, handles: Sequence[Any], router: Router, poll_s: float = 0.5,
                  on_shutdown: Callable[[], None] | None = None,
-                 death_errors: tuple[type[BaseException], ...] | None = None, admit_timeout_s: float = 30.0) -> None:
+                 death_errors: tuple[type[BaseException], ...] | None = None, admit_timeout_s: float = 30.0,
+                 cluster_gone: Callable[[], bool] = lambda: False) -> None:
         """death_errors: what a call raises when its replica's process is gone (default: Ray's actor
-        errors); any other error fails the request without marking the replica down."""
+        errors); any other error fails the request without marking the replica down. cluster_gone:
+        whether what runs the replicas has stopped for good (the server's own Ray instance exited), so
+        that none can come back."""
         super().__init__()
         self.death_errors = death_errors if death_errors is not None else _ray_death_errors()
         self.admit_timeout_s = admit_timeout_s
@@ -89,6 +96,8 @@ class ReplicaSet(AdmissionBound):
         self._replicas = [_Replica(i, h) for i, h in enumerate(handles)]
         self._poller: asyncio.Task[None] | None = None
         self._on_shutdown = on_shutdown
+        self._cluster_gone = cluster_gone
+        self.cluster_lost = False  # set once every replica is down and cluster_gone() says so
         self._stopping = False
         self.decisions: Counter | None = None  # set by register_metrics
 
@@ -167,6 +176,8 @@ class ReplicaSet(AdmissionBound):
             if self._stopping:
                 raise RequestAborted("the server is shutting down")
             if decision is None:
+                if self.cluster_lost:  # ("retry in a few seconds" promised what cannot come)
+                    raise EngineUnavailable(CLUSTER_LOST)
                 raise EngineUnavailable("no engine replica is up; retry in a few seconds")
             if self.decisions is not None:
                 self.decisions.labels(decision.kind).inc()
@@ -295,6 +306,9 @@ class ReplicaSet(AdmissionBound):
     async def _poll_forever(self) -> None:
         while True:
             await self.refresh()
+            if not self.cluster_lost and not any(r.up for r in self._replicas) and self._cluster_gone():
+                self.cluster_lost = True
+                log.error(CLUSTER_LOST)
             await asyncio.sleep(self.poll_s)
 
     async def _poll(self, replica: _Replica) -> None:
@@ -330,7 +344,8 @@ class ReplicaSet(AdmissionBound):
         """/health's per-replica lines: state and counts only (no prompts, no tenants)."""
         return {"replicas": [{"replica": r.index, "up": r.up, "pid": r.stats.get("pid"), "restarts": r.restarts,
                               "inflight": r.inflight, "running": r.stats.get("running", 0)} for r in self._replicas],
-                "routing": self.router.config.policy, "admitted": self._reserved}
+                "routing": self.router.config.policy, "admitted": self._reserved,
+                **({"error": CLUSTER_LOST} if self.cluster_lost else {})}
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         self.decisions = Counter("isolab_routing_decisions", "routing decisions by kind (affinity = the prefix's "

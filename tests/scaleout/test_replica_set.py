@@ -215,3 +215,29 @@ def test_shutdown_is_bounded_when_the_teardown_hangs():
     assert time.monotonic() - t0 < 2
     release.set()
     assert ReplicaSet([object()], Router(1), on_shutdown=lambda: None, death_errors=(ActorDied,)).shutdown() is True
+
+
+def test_when_the_servers_own_ray_is_gone_it_says_so_and_promises_no_retry(fakes):
+    """The raylet killed: every request got 503 'retry in a few seconds' for ever, and nothing was
+    logged. Once every replica is down and the Ray instance is gone, the set says so, in /health's
+    description and in the 503, once in the log."""
+    gone = [False]
+
+    async def main():
+        rs = ReplicaSet(fakes, Router(2, RoutingConfig(block_size=16)), poll_s=0.05, death_errors=(ActorDied,),
+                        cluster_gone=lambda: gone[0])
+        rs.start()
+        for f in fakes:
+            f.kill()
+        await wait_for(lambda: not any(r.up for r in rs._replicas))
+        await asyncio.sleep(0.2)
+        assert not rs.cluster_lost  # replicas down, Ray still there: they may come back
+        with pytest.raises(EngineUnavailable, match="retry in a few seconds"):
+            await rs.submit([req("a")], "t:alice")
+        gone[0] = True
+        await wait_for(lambda: rs.cluster_lost)
+        with pytest.raises(EngineUnavailable, match="no engine replica can come back; restart isolab serve"):
+            await rs.submit([req("b")], "t:alice")
+        assert "restart isolab serve" in rs.describe()["error"]
+        rs.stop()
+    asyncio.run(main())
