@@ -285,3 +285,12 @@ scenario = Scenario("condwatch", S, (body, body), lambda s, r: None if s.x == 2 
     assert explore(tmp_path, code) == ExitCode.BUG
     out = capsys.readouterr().out
     assert "x=1" in out and "<RuntimeError>" not in out, out
+
+
+def test_a_budget_spent_on_the_last_schedule_is_a_whole_search(capsys):
+    """passcode:immutable has 6 schedules within bound 2: a budget of 6 searched them all (it said
+    INCONCLUSIVE, '1 preemptions: cut short'); 5 leaves one out."""
+    assert main(["race", "explore", "passcode:immutable", "--quiet", "--max-executions", "6"]) == ExitCode.HOLDS
+    assert "every schedule within the bound passed: 6 executions" in capsys.readouterr().out
+    assert main(["race", "explore", "passcode:immutable", "--quiet", "--max-executions", "5"]) == ExitCode.INCONCLUSIVE
+    assert "cut short" in capsys.readouterr().out

@@ -162,6 +162,8 @@ def search(
             next_report = now + progress_every
     if tally.first is not None:
         stopped = None  # a bug found is a verdict, whatever budget ran out afterwards
+    if stopped is not None and strategy.exhausted:
+        stopped = None  # the budget ran out as the last schedule ended: nothing was left unexplored
     return SearchResult(
         scenario=scenario.name,
         mode=mode.value,
