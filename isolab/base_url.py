@@ -1,5 +1,6 @@
 """Owns reading the address of an OpenAI-compatible server, as the black-box tools take it (`isolab
-probe` and `isolab doctor` --base-url, `isolab bench --url`): http(s) with a host, or one sentence."""
+probe` and `isolab doctor` --base-url, `isolab bench --url`): http(s) with a host, or one sentence;
+and how those tools put what a server said into that sentence (`one_line`, `failure`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def check_base_url(base_url: str, option: str = "--base-url") -> httpx.URL:
 
 
 ENDPOINTS = ("/chat/completions", "/completions", "/models", "/embeddings", "/health", "/metrics")
+
+
+def one_line(text: str) -> str:
+    """A server's text (an HTML error page, say) as one line for a one-sentence error."""
+    return " ".join(text.split())
+
+
+def failure(exc: BaseException) -> str:
+    """A request that got no HTTP answer, for a sentence: 'ReadTimeout: no answer' when httpx says nothing."""
+    return f"{type(exc).__name__}: {one_line(str(exc)) or 'no answer'}"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from isolab.base_url import check_base_url
+from isolab.base_url import check_base_url, failure, one_line
 from isolab.doctor.symptoms import Result
 from isolab.doctor.workload import Item, word_variant
 from isolab.errors import InvalidRequestError
@@ -31,11 +31,6 @@ def parse_field(spec: str) -> dict:
         return {key: json.loads(value)}
     except ValueError:
         return {key: value}
-
-
-def _one_line(text: str) -> str:
-    """A server's text (an HTML error page, say) as one line for a one-sentence error."""
-    return " ".join(text.split())
 
 
 TRANSPORT = "transport error: "  # a Result's error when the request got no HTTP answer at all
@@ -100,8 +95,7 @@ class HttpTarget:
         try:
             r = await client.get("/models")
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise InvalidRequestError(f"cannot reach {self.base_url} ({type(exc).__name__}: "
-                                      f"{_one_line(str(exc)) or 'no answer'})", field="base_url") from None
+            raise InvalidRequestError(f"cannot reach {self.base_url} ({failure(exc)})", field="base_url") from None
         if r.status_code in (401, 403):
             raise InvalidRequestError(f"{where} refused the key (HTTP {r.status_code}): pass the server's --api-key",
                                       field="api_key")
@@ -133,9 +127,9 @@ class HttpTarget:
         try:
             r = await client.post("/completions", json=body)
         except httpx.HTTPError as exc:
-            return Result(it.item_id, (), (), (), "", 0, f"{TRANSPORT}{type(exc).__name__}: {_one_line(str(exc)) or 'no answer'}")
+            return Result(it.item_id, (), (), (), "", 0, f"{TRANSPORT}{failure(exc)}")
         if r.status_code != 200:
-            return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {_one_line(r.text[:200])}")
+            return Result(it.item_id, (), (), (), "", 0, f"HTTP {r.status_code}: {one_line(r.text[:200])}")
         try:
             data = r.json()
             ch = data["choices"][0]
@@ -147,7 +141,7 @@ class HttpTarget:
                           ch["text"], int(details.get("cached_tokens") or 0))
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return Result(it.item_id, (), (), (), "", 0,
-                          f"HTTP 200 but not an OpenAI completion: {_one_line(r.text[:200])}")
+                          f"HTTP 200 but not an OpenAI completion: {one_line(r.text[:200])}")
 
     def prepare(self, items: Sequence[Item]) -> list[Item]:
         if not all(isinstance(it.prompt, str) for it in items):

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from isolab.base_url import failure, one_line
 from isolab.probe.record import Completion
 
 
@@ -66,8 +67,7 @@ class ProbeClient:
         try:
             r = await self.http.get(self.base_v1 + "/models", headers=self._headers(who))
         except httpx.HTTPError as exc:
-            raise ProbeUsageError(f"cannot reach {self.base_v1} ({type(exc).__name__}: "
-                                  f"{' '.join(str(exc).split()) or 'no answer'})") from None
+            raise ProbeUsageError(f"cannot reach {self.base_v1} ({failure(exc)})") from None
         if r.status_code in (401, 403):
             raise ProbeUsageError(f"{self.base_v1}/models refused the key (HTTP {r.status_code}): pass --api-key")
         if self.model is None:
@@ -135,14 +135,14 @@ class ProbeClient:
                     if status == 200:
                         _fill(rec, r.json())
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                rec.status, rec.error = 0, f"{type(exc).__name__}: {' '.join(str(exc).split()) or 'no answer'}"
+                rec.status, rec.error = 0, failure(exc)
                 return rec
             rec.latency_s = time.monotonic() - start
             if status == 200:
                 return rec
             if self._drop_rejected_field(status, text, body):
                 continue
-            rec.status, rec.error = status, " ".join(text[:300].split())  # (an HTML page's lines, on one)
+            rec.status, rec.error = status, one_line(text[:300])  # (an HTML page's lines, on one)
             return rec
         return rec
 
