@@ -115,6 +115,7 @@ def test_bench_repeats_must_be_positive():
     (["generate", "hi", "--kv-cache-memory", "infk"], "is not a size"),
     (["generate", "hi", "--kv-cache-memory", "999999999999999"], "the KV pool cannot be mapped"),
     (["generate", "hi", "--trace", "/nonexistent/t.jsonl"], "does not exist"),
+    (["generate", "hi", "--trace", f"{sys.executable}/t.jsonl"], "is a file, not a folder"),  # ('does not exist')
     (["generate", "hi", "--kv-cache-dtype", "int8", "--block-size", "8"], "block_size must be a multiple of 16"),
     (["generate", "hi", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
 ])

@@ -50,7 +50,8 @@ def check_output_path(path: str | os.PathLike[str] | None, option: str, *, folde
         target = p.parent
     target = target if str(target) else Path(".")
     if not target.is_dir():
-        raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} does not exist", field=option)
+        what = "is a file, not a folder" if target.exists() else "does not exist"  # (a file said 'does not exist')
+        raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} {what}", field=option)
     if not os.access(target, os.W_OK | os.X_OK) or not _can_create_in(target):
         raise InvalidRequestError(f"{option} {str(p)!r}: the folder {str(target)!r} cannot be written", field=option)
 
