@@ -36,7 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stress.add_argument("--plot", type=Path, default=None, help="write false-accept rate vs threads to this PNG")
     stress.set_defaults(func=_stress)
 
-    explore = sub.add_parser("explore", help="explore thread interleavings of a scenario deterministically")
+    explore = sub.add_parser("explore", help="explore thread interleavings of a scenario deterministically",
+                             description="Explore a scenario's thread interleavings deterministically, or replay a "
+                                         "saved schedule. Exit status: 0 HOLDS, 1 FAILED (a losing schedule), 2 a "
+                                         "usage or target error, 3 INCONCLUSIVE (a budget ran out, or the model "
+                                         "cannot run the target). docs/race.md")
     explore.add_argument("target", nargs="?",
                          help="passcode:VARIANT, fixtures:NAME, workloads:NAME (--list), module:name or file.py:name")
     _add_search_args(explore)
@@ -47,11 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="also trace this module (repeatable); by default the target's folder and the "
                               "non-stdlib, non-site-packages modules it imports are traced")
     explore.add_argument("--max-steps", type=int, default=10_000,
-                         help="choice points per execution before a thread counts as making no progress")
+                         help="choice points per execution before a thread counts as making no progress (10000)")
     explore.add_argument("--max-bytecodes", type=int, default=2_000_000,
-                         help="traced bytecodes per execution before a thread counts as making no progress")
+                         help="traced bytecodes per execution before a thread counts as making no progress "
+                              "(2000000)")
     explore.add_argument("--stall-seconds", type=float, default=3.0,
-                         help="a running thread that executes no traced code this long is blocked outside the model")
+                         help="a running thread that executes no traced code this long is blocked outside the model "
+                              "(3 s)")
     explore.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     explore.set_defaults(func=_explore)
 
@@ -80,7 +86,9 @@ def _add_search_args(explore: argparse.ArgumentParser) -> None:
     """The flags of a search, which a --replay (its schedule fixes the switch mode and every step) refuses."""
     explore.add_argument("--switch", choices=("gil", "line", "opcode"), default="opcode",
                          help="where a thread may be switched out (default: opcode, the free-threaded stand-in)")
-    explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded")
+    explore.add_argument("--strategy", choices=("bounded", "pct"), default="bounded",
+                         help="bounded: every schedule within --bound preemptions, fewest first (default); pct: "
+                              "--runs randomised priority schedules from --seed, for bugs of --depth")
     explore.add_argument("--bound", type=int, default=2, help="preemption bound for 'bounded' (default 2)")
     explore.add_argument("--seed", type=int, default=0, help="first PCT seed")
     explore.add_argument("--runs", type=int, default=200, help="PCT runs")
