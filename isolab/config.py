@@ -6,6 +6,7 @@ Derived values come back as a new config (dataclasses.replace), never by mutatio
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from isolab.errors import InvalidRequestError, is_whole
@@ -33,6 +34,11 @@ def memory_bytes(text: str) -> int:
         return int(t)
     except (ValueError, OverflowError):  # (int of an infinite float overflows)
         raise InvalidRequestError(f"{text!r} is not a size (try 256MiB or 1GiB)", field="kv_cache_memory") from None
+
+
+def fault_names(names: str | Iterable[str]) -> frozenset[str]:
+    """One fault name or a collection of them (a string was read as its characters: "unknown fault 'a'")."""
+    return frozenset({names} if isinstance(names, str) else names)
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,7 @@ class EngineConfig:
         if self.max_model_len is not None and not is_whole(self.max_model_len):
             raise InvalidRequestError(f"max_model_len must be a whole number, not {self.max_model_len!r}",
                                       field="max_model_len")
-        if isinstance(self.inject_faults, str):  # (a string was read as its characters: "unknown fault 'a'")
-            object.__setattr__(self, "inject_faults", frozenset({self.inject_faults}))
+        object.__setattr__(self, "inject_faults", fault_names(self.inject_faults))
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}", field="dtype")
         if self.weights not in WEIGHTS:
@@ -146,7 +151,7 @@ def build_engine_config(
     max_num_batched_tokens: int = 512,
     max_model_len: int | None = None,
     audit: bool = False,
-    inject_faults: tuple[str, ...] | frozenset[str] = (),
+    inject_faults: str | Iterable[str] = (),
     trace_path: str | None = None,
 ) -> EngineConfig:
     """The one way the CLI, `LLM` and the server build an EngineConfig from flat options."""
@@ -155,5 +160,5 @@ def build_engine_config(
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache, kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
         max_model_len=max_model_len, audit=audit, trace_path=trace_path,
-        inject_faults=frozenset({inject_faults} if isinstance(inject_faults, str) else inject_faults),
+        inject_faults=fault_names(inject_faults),
     )

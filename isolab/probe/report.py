@@ -39,8 +39,11 @@ def print_summary(result: ProbeResult, console: Any = None) -> None:
     for v in result.verdicts:
         # the checks the summary does not already say: those that did not pass, and opt-in ones (timing)
         optional = {c.get("name") for c in v.data.get("checks", []) if c.get("optional")}
-        more = [e for e in v.evidence if e.split("] ", 1)[-1] not in v.summary
-                and (not e.startswith("[PASS]") or e.split("] ", 1)[-1].split(":", 1)[0] in optional)]
+        more = []
+        for line in v.evidence:  # "[STATUS] check name: its summary"
+            status, _, said = line.partition("] ")
+            if said not in v.summary and (status != "[PASS" or said.split(":", 1)[0] in optional):
+                more.append(line)
         lines = [v.summary] + more[:4]
         table.add_row(v.name, f"[{COLOUR[v.status]}]{MARK[v.status]}[/]", "\n".join(lines))
     console.print(table)

@@ -243,7 +243,8 @@ async def reuse(ctx: Context) -> Verdict:
     #    fresh tail blocks); A asked again while the flood runs, at growing gaps (asked every 0.1 s,
     #    A stayed the most recently used prompt, and an LRU cache never let it go), and once after.
     a, _ = w.secret(1)
-    a_ref = await ctx.send(a, tags=("evict-ref",), max_tokens=max(4, n.max_tokens // 2))
+    a_tokens = max(4, n.max_tokens // 2)
+    a_ref = await ctx.send(a, tags=("evict-ref",), max_tokens=a_tokens)
     flood = [ctx.send(w.plain(0), tags=("pressure",), max_tokens=3 * n.max_tokens, stream=True) for _ in range(n.flood)]
     flood_job = asyncio.ensure_future(asyncio.gather(*flood))
     reruns = []
@@ -252,10 +253,10 @@ async def reuse(ctx: Context) -> Verdict:
         await asyncio.sleep(gap)
         if flood_job.done():
             break
-        reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))
+        reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=a_tokens))
         gap *= 2
     await flood_job
-    reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=max(4, n.max_tokens // 2)))  # after it all
+    reruns.append(await ctx.send(a, tags=("evict-rerun",), max_tokens=a_tokens))  # after it all
     comps = [compare(a_ref, r, canaries=w.canaries, th=ctx.th, label=f"re-request {i} of a cached prompt under pressure")
              for i, r in enumerate(reruns)]
     v = judge_comparisons("evict and re-hit", comps, "re-requests")

@@ -92,3 +92,25 @@ def test_the_demo_says_what_isolab_lifecycle_says_and_leaves_no_folder(tmp_path)
     assert res.returncode == 0, res.stderr
     assert "block lives over" in res.stdout and "{" not in res.stdout and f"wrote {tmp_path / 'd.png'}" in res.stdout
     assert (tmp_path / "d.png").stat().st_size > 0 and not list(scratch.iterdir())
+
+
+def test_the_owners_legend_stays_inside_the_image():
+    """Long request ids (a server's cmpl-<32 hex>) were cut off at the image's right edge: the legend,
+    added to the axes, was clipped out of the layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from isolab.lifecycle.draw import figure
+    from isolab.lifecycle.trace import build
+
+    recs = []
+    for b in range(1, 13):
+        who = f"cmpl-{b:032x}-0"
+        recs += [{"step": b, "event": "allocated", "block": b, "request": who, "scope": None},
+                 {"step": b + 1, "event": "released", "block": b, "request": who, "scope": None, "refs": 0},
+                 {"step": b + 1, "event": "freed", "block": b, "request": who, "scope": None}]
+    fig = figure(build(recs))
+    renderer = fig.canvas.get_renderer()
+    right = fig.bbox.x1
+    for legend in (a for a in fig.axes[0].get_children() if type(a).__name__ == "Legend"):
+        assert legend.get_window_extent(renderer).x1 <= right + 1, "a legend runs past the image"

@@ -49,3 +49,29 @@ def test_replica_flags_out_of_range_are_refused_before_ray_starts(capsys):
         assert main(["serve", "--no-auth", "--port", "0", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, (flags, err)
+
+
+def test_a_ctrl_c_while_replicas_start_removes_them(monkeypatch):
+    """On a joined cluster the replicas outlive the server: a KeyboardInterrupt during the start (it
+    escaped `except Exception`) must tear down what started, then go on as a Ctrl-C."""
+    import types
+
+    import pytest
+
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    import ray
+
+    from isolab.config import build_engine_config
+    from isolab.scaleout import deploy as d
+
+    torn: list[tuple[str, bool]] = []
+
+    def start(**_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(d, "require_ray", lambda: types.SimpleNamespace(start=start))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # joined: nothing to init here
+    monkeypatch.setattr(d, "_teardown", lambda prefix, local: torn.append((prefix, local)))
+    with pytest.raises(KeyboardInterrupt):
+        d.deploy(build_engine_config(), d.ScaleOut(replicas=1, threads_per_replica=1, ray_address="auto"), 8)
+    assert len(torn) == 1 and torn[0][0].startswith("isolab-") and torn[0][1] is False

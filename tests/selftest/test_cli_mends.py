@@ -22,6 +22,16 @@ def test_engine_flags_selftest_cannot_honour_are_refused(tmp_path, flags):
     assert not list(tmp_path.glob("isolab-*")) and not (tmp_path / "t.jsonl").exists()
 
 
+def test_help_lists_only_the_flags_selftest_takes():
+    """--help listed --audit, --inject-fault, --trace & co., which selftest then refuses."""
+    out = isolab("selftest", "--help", timeout=30)
+    assert out.returncode == 0
+    for taken in ("--model", "--dtype", "--weights", "--kv-cache-dtype", "--fault"):
+        assert taken in out.stdout
+    for refused in ("--audit", "--inject-fault", "--trace", "--block-size", "--max-num-seqs", "--no-prefix-cache"):
+        assert refused not in out.stdout, refused
+
+
 def test_tiny_and_model_together_are_refused(tmp_path):
     one_sentence(isolab("selftest", "--tiny", "--model", str(tmp_path / "m.gguf"), timeout=30), "--tiny or --model")
 
