@@ -123,7 +123,10 @@ def deploy(config: EngineConfig, plan: ScaleOut, capacity_per_replica: int) -> t
         )
         targets = [serve.RunTarget(deployment.bind(_for_replica(config, i), i, plan.threads_per_replica),
                                    name=f"{prefix}{i}", route_prefix=None) for i in range(plan.replicas)]
-        handles = serve.run_many(targets)
+        if not local:  # (a joined cluster without room kept the server waiting without a word)
+            _say_if_no_room(ray.available_resources(), plan.replicas, cpus, plan.gpus_per_replica)
+        handles = serve.run_many(targets, wait_for_applications_running=False)
+        _wait_running(serve, [t.name for t in targets])
         facts: ReplicaFacts = handles[0].facts.remote().result(timeout_s=300)
     except BaseException as exc:  # a Ctrl-C while replicas start too: on a joined cluster they would outlive us
         _teardown(prefix, local)
@@ -150,6 +153,46 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     except OSError as exc:
         raise ScaleOutError(f"--ray-address {address!r}: nothing answers there ({exc.strerror or exc}): is the "
                             "cluster's head running (`ray start --head`), and is this its GCS port?") from None
+
+
+def _say_if_no_room(free: dict[str, float], replicas: int, cpus: float, gpus: float) -> None:
+    """One warning when a joined cluster has fewer free CPUs/GPUs than the replicas ask for: Serve then
+    waits for nodes to join or free up (an autoscaler's), and the server would wait without a word."""
+    short = [f"{replicas} x {per:g} {kind} = {replicas * per:g} {kind} (free: {free.get(kind, 0.0):g})"
+             for kind, per in (("CPU", cpus), ("GPU", gpus)) if per and free.get(kind, 0.0) < replicas * per]
+    if short:
+        log.warning("the cluster has no room for the replicas yet: they need %s; they start when nodes join or "
+                    "free up (Ctrl-C stops; or lower --replicas, --replica-cpus, --replica-gpus)", "; ".join(short))
+
+
+def _wait_running(serve: Any, names: list[str], *, say_every_s: float = 30.0, poll_s: float = 0.25,
+                  clock: Any = time.monotonic, sleep: Any = time.sleep) -> None:
+    """Until every app is RUNNING; what Serve says of one still waiting is logged every say_every_s (its
+    controller's own warnings, e.g. "taken more than 30s to be scheduled ... resources required",
+    stay in the cluster's logs), and a failed one ends the start in one sentence."""
+    said = clock()
+    while True:
+        apps = serve.status().applications
+        waiting = []
+        for name in names:
+            replica = name.rsplit("-", 1)[-1]
+            app = apps.get(name)
+            if app is None:  # (what Serve's own wait raises on, too)
+                raise ScaleOutError(f"replica {replica}'s Serve app is gone while it started (deleted from outside?)")
+            status = getattr(app.status, "value", app.status)  # ApplicationStatus: a str enum
+            if status == "RUNNING":
+                continue
+            details = [d.message for d in app.deployments.values() if d.message] or \
+                [app.message or f"{status} (Serve has given no reason yet)"]
+            if status == "DEPLOY_FAILED":  # (Serve's own wait fails on this one only: UNHEALTHY may recover)
+                raise ScaleOutError(f"replica {replica} failed to start: {(app.message or details[0])[:400]}")
+            waiting.append(details[0])
+        if not waiting:
+            return
+        if clock() - said >= say_every_s:
+            said = clock()
+            log.warning("%d of %d replica(s) not running yet: %s", len(waiting), len(names), waiting[0][:400])
+        sleep(poll_s)
 
 
 def _for_replica(config: EngineConfig, index: int) -> EngineConfig:

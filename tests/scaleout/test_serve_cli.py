@@ -75,3 +75,67 @@ def test_a_ctrl_c_while_replicas_start_removes_them(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         d.deploy(build_engine_config(), d.ScaleOut(replicas=1, threads_per_replica=1, ray_address="auto"), 8)
     assert len(torn) == 1 and torn[0][0].startswith("isolab-") and torn[0][1] is False
+
+
+def _app(status: str, message: str = "", deployment_message: str = ""):
+    import types
+
+    return types.SimpleNamespace(status=status, message=message,
+                                 deployments={"engine": types.SimpleNamespace(message=deployment_message)})
+
+
+class _Serve:
+    """serve.status() giving each poll's applications in turn (the last one repeated)."""
+
+    def __init__(self, polls):
+        self.polls = list(polls)
+
+    def status(self):
+        import types
+
+        return types.SimpleNamespace(applications=self.polls.pop(0) if len(self.polls) > 1 else self.polls[0])
+
+
+def test_a_start_that_waits_for_room_says_why_and_a_failed_one_ends_in_a_sentence(caplog):
+    """A joined cluster without room for the replicas kept `isolab serve` waiting without a word: what
+    Serve says of a replica still waiting is logged, a failed one ends the start with Serve's reason."""
+    import logging
+
+    import pytest
+
+    from isolab.scaleout import deploy as d
+
+    names = ["isolab-ab-replica-0", "isolab-ab-replica-1"]
+    pending = ("Deployment 'engine' has 1 replicas that have taken more than 30s to be scheduled. "
+               "Resources required for each replica: {'CPU': 8}, total resources available: {'CPU': 2}.")
+    t = [0.0]
+
+    def sleep(s):
+        t[0] += s
+
+    serve = _Serve([{names[0]: _app("RUNNING"), names[1]: _app("DEPLOYING", deployment_message=pending)}] * 200
+                   + [{n: _app("RUNNING") for n in names}])
+    with caplog.at_level(logging.WARNING, logger="isolab.scaleout"):
+        d._wait_running(serve, names, say_every_s=30, poll_s=0.25, clock=lambda: t[0], sleep=sleep)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "1 of 2 replica(s) not running yet" in said[0] and "Resources required" in said[0], said
+
+    failed = _Serve([{names[0]: _app("DEPLOY_FAILED", message="The deployment failed to start 3 times in a row. "
+                                     "ValueError: bad model")}])
+    with pytest.raises(d.ScaleOutError, match="replica 0 failed to start: The deployment failed .* bad model"):
+        d._wait_running(failed, names, clock=lambda: t[0], sleep=sleep)
+    with pytest.raises(d.ScaleOutError, match="replica 1's Serve app is gone"):
+        d._wait_running(_Serve([{names[0]: _app("RUNNING")}]), names, clock=lambda: t[0], sleep=sleep)
+
+
+def test_a_joined_cluster_short_of_cpus_or_gpus_is_named_before_the_wait(caplog):
+    import logging
+
+    from isolab.scaleout import deploy as d
+
+    with caplog.at_level(logging.WARNING, logger="isolab.scaleout"):
+        d._say_if_no_room({"CPU": 16.0, "GPU": 2.0}, 4, 4.0, 0.5)  # room: silent
+        assert not caplog.records
+        d._say_if_no_room({"CPU": 6.0}, 4, 2.0, 1.0)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "4 x 2 CPU = 8 CPU (free: 6)" in said and "4 x 1 GPU = 4 GPU (free: 0)" in said, said
