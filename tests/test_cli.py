@@ -31,7 +31,7 @@ def test_generate_streams_text(tiny_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
-    (["generate", "   ", "--model", "TINY"], "prompt is empty"),
+    (["generate", "", "--model", "TINY"], "prompt is empty"),
     (["generate", "hi", "--model", "TINY", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["generate", "hi", "--model", "TINY", "--max-tokens", "100000"], "context"),
     (["generate", "hi", "--model", "MAMBA"], "architecture 'mamba' is not supported"),

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from isolab.llm import LLM
     from isolab.sampling_params import SamplingParams
 
-    if not args.prompt.strip():
+    if not args.prompt:  # (whitespace is text to continue, as LLM.generate and the server take it)
         raise InvalidRequestError("the prompt is empty: give some text to continue", field="prompt")
     if args.max_tokens < 1:  # (the engine takes 0 for a prompt's logprobs alone, which this command does not print)
         raise InvalidRequestError(f"--max-tokens must be at least 1, not {args.max_tokens}", field="max_tokens")
