@@ -219,6 +219,17 @@ def test_a_stop_string_the_grammars_last_token_completes_is_the_stop_reason(llm)
         SamplingParams(structured="json")  # type: ignore[arg-type]  (an AttributeError before)
 
 
+def test_a_complete_grammar_ends_the_request_even_before_min_tokens(llm):
+    """The grammar wins over min_tokens: once "Paris" is complete it allows only EOS, which min_tokens
+    masks; the request ends there (engine/stop.py, rule 0: "stop"), its text what the grammar accepts,
+    never tokens past it or a run to max_tokens."""
+    from isolab.sampling_params import GrammarSpec
+
+    sp = SamplingParams(max_tokens=12, temperature=0, min_tokens=10, structured=GrammarSpec.choice(["Paris"]))
+    out = llm.generate("The capital of France is", sp)[0]
+    assert out.text == "Paris" and out.finish_reason == "stop" and len(out.token_ids) < 10, out
+
+
 def test_engine_options_of_the_wrong_kind_are_one_sentence():
     """LLM(...)'s options as a user may pass them: a float or a string reached the pool's maths (raw
     TypeErrors), an odd block size gave wrong bf16 outputs (V is stored in pairs of keys) that the
