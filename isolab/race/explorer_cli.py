@@ -33,7 +33,10 @@ def summary(report: ExploreReport, shrunk: bool = True) -> list[str]:
                              f"{top} preemptions: cut short)")
         else:
             scope = "every schedule within the bound" if s.exhausted else "the schedules tried"
-            lines.append(f"HOLDS: {scope} passed: {_n(s.executions, 'execution')} in {s.seconds:.2f}s "
+            # (PCT: one run without preemptions counts the choice points, then --runs runs: say so, or
+            # "6 executions" for --runs 5 reads as an off-by-one)
+            pct = " (1 to count the choice points, then the PCT runs)" if s.strategy.startswith("pct") else ""
+            lines.append(f"HOLDS: {scope} passed: {_n(s.executions, 'execution')}{pct} in {s.seconds:.2f}s "
                          f"({s.executions_per_second:.0f}/s){'; ' + levels if levels else ''}")
         lines += _untraced(report)
         return lines

@@ -294,3 +294,9 @@ def test_a_budget_spent_on_the_last_schedule_is_a_whole_search(capsys):
     assert "every schedule within the bound passed: 6 executions" in capsys.readouterr().out
     assert main(["race", "explore", "passcode:immutable", "--quiet", "--max-executions", "5"]) == ExitCode.INCONCLUSIVE
     assert "cut short" in capsys.readouterr().out
+
+
+def test_a_pct_search_that_holds_says_why_it_ran_one_more_execution_than_runs(capsys):
+    """--runs 5 reported "6 executions" with no word of the run that counts the choice points."""
+    assert main(["race", "explore", "fixtures:lost_update_fixed", "--strategy", "pct", "--runs", "5"]) == ExitCode.HOLDS
+    assert "6 executions (1 to count the choice points, then the PCT runs)" in capsys.readouterr().out
