@@ -33,6 +33,42 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_CACHED = 1024  # compiled grammars a compiler keeps (each its grammar's text)
 
 
+# Where a JSON schema holds schemas (the rest, "enum", "const", "default", "examples", is data).
+_ONE = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties", "not",
+        "if", "then", "else", "contains", "propertyNames")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPENS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: object, *, in_all_of: bool = False) -> object:
+    """The schema with every object that lists its properties and says nothing of others closed
+    (additionalProperties: false), as xgrammar and vLLM read a schema by default and OpenAI's strict
+    mode requires. JSON Schema itself leaves such an object open, and a small model under an open
+    object invents keys until max_tokens ({"city": "Paris", "type": "string", "temperature": ...}, a
+    key even twice); a closed one still admits only outputs the schema accepts. Left open: an object
+    without "properties" ({"type": "object"}: any object; "properties": {} is none), one that says how
+    others look, and the members of an allOf (closing each would leave no object that satisfies them all)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(s, in_all_of=True) for s in out["allOf"]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not in_all_of \
+            and "allOf" not in out and not any(k in out for k in _OPENS):
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     key: str
@@ -88,7 +124,8 @@ class GrammarCompiler:
         M = self._ll.LLMatcher
         try:  # llguidance raises ValueError for what it cannot translate (a schema nested too deep, ...)
             if spec.kind == "json_schema":
-                text = M.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+                schema = json.dumps(close_objects(json.loads(spec.source)), separators=(",", ":"))
+                text = M.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif spec.kind == "json_object":
                 text = M.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
             elif spec.kind == "regex":

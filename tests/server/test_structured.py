@@ -230,3 +230,55 @@ def test_stops_beside_a_json_output_do_not_cut_it_and_are_reported(srv, body, mo
     else:
         assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
     assert choice.get("stop_reason") is None
+
+
+def test_objects_that_list_their_properties_are_closed_and_nothing_else_is():
+    """close_objects: every object schema with "properties" and no word on other keys gets
+    additionalProperties false, wherever schemas nest; data (enum, const, default), a property named
+    like a keyword, explicit openings, objects without "properties" and allOf's members stay as sent."""
+    from isolab.engine.grammar import close_objects
+
+    leaf = {"type": "object", "properties": {"a": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {"properties": leaf, "additionalProperties": {"type": "integer"}, "list": {"items": leaf},
+                       "any": {"type": "object"}, "none": {"type": "object", "properties": {}},
+                       "open": {**leaf, "additionalProperties": True}, "pat": {**leaf, "patternProperties": {"^x": {}}},
+                       "both": {"allOf": [leaf, {"properties": {"b": {}}}]}, "either": {"anyOf": [leaf, {"const": 1}]}},
+        "$defs": {"d": leaf}, "enum": [leaf], "default": leaf,
+    }
+    closed = close_objects(schema)
+    closed_leaf = {**leaf, "additionalProperties": False}
+    assert closed["additionalProperties"] is False
+    p = closed["properties"]
+    assert p["properties"] == closed_leaf and p["additionalProperties"] == {"type": "integer"}
+    assert p["list"]["items"] == closed_leaf and p["either"]["anyOf"][0] == closed_leaf
+    assert closed["$defs"]["d"] == closed_leaf and p["none"]["additionalProperties"] is False
+    assert p["any"] == {"type": "object"} and p["open"]["additionalProperties"] is True and "additionalProperties" not in p["pat"]
+    assert p["both"] == schema["properties"]["both"] and closed["enum"] == [leaf] and closed["default"] == leaf
+    assert schema["properties"]["properties"] == leaf  # the caller's schema is not changed
+
+
+@pytest.mark.parametrize("via", ["response_format", "named tool"])
+def test_an_object_schema_silent_on_other_keys_gives_only_its_own(srv, via):
+    """A QA pass: a tool's parameters without additionalProperties (the usual shape of a tool schema)
+    let SmolLM2 invent keys until max_tokens, with no tool call at all. The objects are closed as
+    xgrammar and vLLM close them: on the tiny random model, every sampled output holds the schema's
+    keys only, and ends."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "when": {"type": "object", "properties": {"h": {"type": "integer", "minimum": 0, "maximum": 23}}}},
+              "required": ["city"]}
+    for seed in range(6):
+        if via == "response_format":
+            text, reason = _chat(srv, False, seed=seed, response_format={
+                "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+            out = json.loads(text)
+        else:
+            r = srv.client().chat.completions.create(
+                model=srv.model, messages=MSG, max_tokens=80, temperature=1.0, seed=seed,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                tool_choice={"type": "function", "function": {"name": "f"}})
+            reason = r.choices[0].finish_reason
+            out = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        assert reason in ("stop", "tool_calls"), (seed, reason)
+        assert set(out) <= {"city", "when"} and set(out.get("when", {})) <= {"h"}, (seed, out)
