@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from isolab.errors import ModelLoadError, UnsupportedModelError
 # Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout, with what each
 # adds: qwen2 biases on q, k and v; qwen3 an RMSNorm on each head of q and k (models/llama.py).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+MAX_CONTEXT = 1 << 24  # tokens: the RoPE tables are built for the whole context at load (16M: 4 GiB of them at
+#   a head size of 64), and no GGUF model we know of claims more than 10M
 PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaves q/k rows for these only (reverse_permute)
 
 # Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the
@@ -61,6 +64,23 @@ class LlamaHParams:
         return self.sliding_window > 0 and (layer + 1) % self.global_every != 0
 
     def __post_init__(self) -> None:
+        # metadata a broken or hand-made file can hold: each a sentence here, not a ZeroDivisionError at
+        # load, a 64 GiB RoPE table, or NaN logits at the first sample (a QA pass)
+        for name, value in (("vocab_size", self.vocab_size), ("embedding_length", self.hidden_size),
+                            ("feed_forward_length", self.intermediate_size), ("block_count", self.num_layers),
+                            ("attention.head_count", self.num_heads), ("attention.head_count_kv", self.num_kv_heads),
+                            ("attention.key_length", self.head_dim), ("context_length", self.context_length)):
+            if value < 1:
+                raise ModelLoadError(f"the GGUF's {self.arch}.{name} is {value}: it must be at least 1")
+        if self.context_length > MAX_CONTEXT:
+            raise UnsupportedModelError(f"the GGUF's {self.arch}.context_length is {self.context_length:,} tokens, "
+                                        f"more than isolab takes ({MAX_CONTEXT:,})")
+        for name, x in (("rope.freq_base", self.rope_theta), ("attention.layer_norm_rms_epsilon", self.rms_eps),
+                        ("rope.freq_base (local layers)", self.rope_theta_local)):
+            if not (math.isfinite(x) and x > 0):
+                raise ModelLoadError(f"the GGUF's {self.arch}.{name} is {x}: it must be a positive number")
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"the GGUF's head size is {self.head_dim}: RoPE needs an even one")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"head_count {self.num_heads} is not a multiple of head_count_kv {self.num_kv_heads}"
@@ -261,7 +281,7 @@ def read_hparams(reader) -> LlamaHParams:
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads if heads > 0 else 0)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(_field(reader, f"{arch}.context_length", 2048)),

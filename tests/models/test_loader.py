@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -67,7 +69,7 @@ def test_unsupported_tensor_type(tmp_path):
     p = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
     w.add_embedding_length(8)
-    w.add_block_count(0)
+    w.add_block_count(1)
     w.add_head_count(2)
     w.add_feed_forward_length(8)
     w.add_vocab_size(4)
@@ -177,3 +179,26 @@ def test_an_interrupted_join_of_gemmas_parts_leaves_no_temporary(tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         locate.gemma3_path()
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize(("method", "value", "says"), [
+    ("add_head_count", 0, "llama.attention.head_count is 0: it must be at least 1"),
+    ("add_head_count_kv", 0, "llama.attention.head_count_kv is 0: it must be at least 1"),
+    ("add_block_count", 0, "llama.block_count is 0: it must be at least 1"),
+    ("add_context_length", 0, "llama.context_length is 0: it must be at least 1"),
+    ("add_context_length", 2**31, "context_length is 2,147,483,648 tokens, more than isolab takes"),
+    ("add_layer_norm_rms_eps", float("nan"), "layer_norm_rms_epsilon is nan: it must be a positive number"),
+    ("add_layer_norm_rms_eps", -1.0, "layer_norm_rms_epsilon is -1.0: it must be a positive number"),
+    ("add_rope_freq_base", 0.0, "rope.freq_base is 0.0: it must be a positive number"),
+])
+def test_metadata_no_model_can_have_is_refused_at_load_in_a_sentence(tmp_path, monkeypatch, method, value, says):
+    """A QA pass: a head count of 0 was a ZeroDivisionError, a context of 2**31 a 64 GiB RoPE table, an
+    epsilon of NaN a sampler's RuntimeError at the first token (or token 0 forever, greedy)."""
+    import gguf
+
+    real = getattr(gguf.GGUFWriter, method)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _v: real(self, value))
+    path = write_tiny_llama(tmp_path / "bad.gguf")
+    monkeypatch.undo()
+    with pytest.raises(ModelLoadError, match=re.escape(says)):
+        load_gguf(path)
