@@ -1,13 +1,15 @@
 """Owns the offline Python API: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat(...)`.
 
 Runs every request through the paged engine (continuous batching, prefix caching); returns one
-CompletionOutput per prompt, in order.
+CompletionOutput per prompt, in order. One LLM is one engine: calls from several threads run one after
+the other (a lock); to run requests together, pass them in one call, or serve them (`isolab serve`).
 """
 
 from __future__ import annotations
 
 import itertools
 import numbers
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -70,6 +72,23 @@ class LLM:
         self.engine = LLMEngine(self.config, bundle)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # one call drives the engine at a time: two threads stepping it at once took each other's
+        # outputs (a KeyError, a zip() of unequal lengths: every call failed, in a QA pass)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Closes the engine's trace; later calls are refused. (Also `with LLM(...) as llm:`.)"""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -133,6 +152,16 @@ class LLM:
                                       field="params")
         if len(plist) != len(prompt_ids):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", field="params")
+        if cache_scope is not None and not isinstance(cache_scope, str):  # (an int failed only once a block was hashed)
+            raise InvalidRequestError(f"cache_scope is a tenant's name (a str) or None, not {type(cache_scope).__name__}",
+                                      field="cache_scope")
+        with self._lock:
+            if self._closed:
+                raise InvalidRequestError("this LLM is closed: make a new one", field="llm")
+            return self._run_locked(prompt_ids, plist, cache_scope, on_step, what)
+
+    def _run_locked(self, prompt_ids: list[list[int]], plist: list[SamplingParams], cache_scope: str | None,
+                    on_step: Callable[[list[RequestOutput]], None] | None, what: str) -> list[CompletionOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompt_ids]
         added: list[str] = []
         try:

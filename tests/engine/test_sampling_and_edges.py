@@ -332,3 +332,39 @@ def test_an_earlier_lifes_non_finite_value_does_not_reach_the_torch_path(tiny_pa
         kv[1, :, 1, -1] = float("inf")
     stale = drive(engine, [req]).finished["B"]
     assert stale.pairs() == clean.pairs()
+
+
+def test_calls_from_two_threads_run_one_after_the_other_with_their_solo_outputs(llm):
+    """A QA pass: two threads calling generate on one LLM at once stepped the engine together and
+    took each other's outputs (KeyError, AssertionError, zip() of unequal lengths: every call failed)."""
+    import threading
+
+    prompts = [("the cat sat on", 5), ("a b c d e f", 6)]
+    solo = [llm.generate(p, SamplingParams(max_tokens=12, temperature=1.0, seed=s))[0].text for p, s in prompts]
+    got: list[str | BaseException] = [""] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = llm.generate(prompts[i][0], SamplingParams(max_tokens=12, temperature=1.0, seed=prompts[i][1]))[0].text
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            got[i] = exc
+
+    for _ in range(3):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == solo, got
+
+
+def test_a_scope_that_is_no_str_and_a_closed_llm_are_refused_in_a_sentence(tiny_bundle):
+    with LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20) as llm:
+        for scope in (1, b"tenant", ("a",)):  # (an int failed only once a prompt filled a block)
+            with pytest.raises(InvalidRequestError, match="cache_scope is a tenant's name"):
+                llm.generate("x " * 40, SamplingParams(max_tokens=1), cache_scope=scope)  # type: ignore[arg-type]
+        assert llm.generate("x " * 40, SamplingParams(max_tokens=1), cache_scope="t")[0].token_ids
+    with pytest.raises(InvalidRequestError, match="this LLM is closed"):
+        llm.generate("x", SamplingParams(max_tokens=1))
