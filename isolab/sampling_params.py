@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from isolab.errors import InvalidRequestError, is_whole
 
@@ -27,6 +27,23 @@ class GrammarSpec:
     kind: GrammarKind
     source: str  # json_schema: the schema as canonical JSON; regex; choice: a JSON list; lark; json_object: ""
     field: str = "response_format"  # the request field it came from, named in a 400
+
+    def __post_init__(self) -> None:
+        # (built directly, an unknown kind ran as a Lark grammar and an empty choice list gave "")
+        if self.kind not in get_args(GrammarKind):
+            raise InvalidRequestError(f"{self.field}: a grammar's kind is one of {', '.join(get_args(GrammarKind))}, "
+                                      f"not {self.kind!r}", field=self.field)
+        if not isinstance(self.source, str):
+            raise InvalidRequestError(f"{self.field}: a grammar's source is a str, not {type(self.source).__name__}",
+                                      field=self.field)
+        if self.kind == "choice":
+            try:
+                options = json.loads(self.source)
+            except ValueError:
+                options = None
+            if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+                raise InvalidRequestError(f"{self.field}: a choice grammar's source is a JSON list of non-empty "
+                                          "strings (GrammarSpec.choice builds it)", field=self.field)
 
     @classmethod
     def json_schema(cls, schema: Any, field: str = "response_format") -> GrammarSpec:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -368,3 +370,17 @@ def test_a_scope_that_is_no_str_and_a_closed_llm_are_refused_in_a_sentence(tiny_
         assert llm.generate("x " * 40, SamplingParams(max_tokens=1), cache_scope="t")[0].token_ids
     with pytest.raises(InvalidRequestError, match="this LLM is closed"):
         llm.generate("x", SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("bogus", "x"), "a grammar's kind is one of json_schema, json_object, regex, choice, lark, not 'bogus'"),
+    (("choice", "[]"), "a choice grammar's source is a JSON list of non-empty strings"),
+    (("choice", '["a", ""]'), "a choice grammar's source is a JSON list of non-empty strings"),
+    (("regex", 5), "a grammar's source is a str, not int"),
+])
+def test_a_grammar_spec_built_by_hand_is_checked_as_the_builders_check_it(args, says):
+    """A QA pass: GrammarSpec("bogus", ...) ran as a Lark grammar, and a choice of [] gave ""."""
+    from isolab.sampling_params import GrammarSpec
+
+    with pytest.raises(InvalidRequestError, match=re.escape(says)):
+        GrammarSpec(*args)
