@@ -62,7 +62,8 @@ def create_app_over(backend: EngineBackend, facts: ModelFacts, tenants: TenantRe
                     config: ServerConfig | None = None) -> FastAPI:
     """The app over any backend (one engine, or replicas: isolab.scaleout)."""
     state = _build_state(backend, facts, tenants, config or ServerConfig())
-    app = FastAPI(title="isolab", version="0.1.0", lifespan=_lifespan,
+    # no /docs or /redoc: pages that load their scripts from a CDN, outside the key; /openapi.json stays
+    app = FastAPI(title="isolab", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible server with per-tenant prefix-cache isolation.")
     # Starlette types app.state as its untyped bag; ours is the typed ServerState (server_state()).
     app.state = state  # type: ignore[assignment]

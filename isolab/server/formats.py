@@ -89,11 +89,12 @@ class Limits:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit}",
                            param="prompt", code="context_length_exceeded")
 
-    def max_tokens(self, requested: int | None, default: int, prompt_len: int | None) -> int:
+    def max_tokens(self, requested: int | None, default: int, prompt_len: int | None, field: str = "max_tokens") -> int:
+        """field: the name the client sent the limit under (max_completion_tokens on chat), named in a 400."""
         limit = self.config.max_tokens_limit
         if requested is not None:
             if requested > limit:
-                raise ApiError(400, f"max_tokens is {requested}; this server allows at most {limit}", param="max_tokens")
+                raise ApiError(400, f"{field} is {requested}; this server allows at most {limit}", param=field)
             return requested
         value = min(default, limit)
         if prompt_len is not None:  # room left in the context (and the KV pool), so a long chat still gets an answer
@@ -221,8 +222,10 @@ class ChatFormat:
         except InvalidRequestError as exc:
             raise api_error(exc) from None
         self.limits.check_prompt(ids)
+        # (both sent: max_completion_tokens, OpenAI's newer name, wins, as vLLM reads them)
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids))
+        max_tokens = self.limits.max_tokens(requested, self.limits.config.default_chat_max_tokens, len(ids), field)
         return Plan((tuple(ids),), max_tokens, (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 
     def choice(self, index: int, logprobs: bool, prompt: tuple[int, ...] = (), echo: bool = False,

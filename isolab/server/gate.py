@@ -31,7 +31,8 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        route = path if path in ROUTES else "other"
+        # (one label for every model's own path: a label per model name would let clients grow the series)
+        route = path if path in ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
         status = {"code": 500}
 
         async def counting_send(message: Message) -> None:

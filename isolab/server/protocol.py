@@ -192,10 +192,17 @@ class ChatContentPart(BaseModel):
     text: str
 
 
+class ChatRefusalPart(BaseModel):
+    """An assistant turn's refusal, as OpenAI writes it back into the history: read as its text."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatContentPart] | None = None
+    content: str | list[Annotated[ChatContentPart | ChatRefusalPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this result answers
@@ -209,6 +216,9 @@ class ChatMessage(BaseModel):
             raise ValueError(f"{article} {self.role} message needs content" + (" (or tool_calls)" if self.role == "assistant" else ""))
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role != "assistant" and isinstance(self.content, list) and \
+                any(isinstance(p, ChatRefusalPart) for p in self.content):
+            raise ValueError(f"a refusal part belongs to an assistant message, not a {self.role} one")
         return self
 
     def for_template(self) -> dict[str, str]:
@@ -224,7 +234,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text if isinstance(p, ChatContentPart) else p.refusal for p in self.content)
 
 
 class ChatCompletionRequest(BaseRequest):

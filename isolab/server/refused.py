@@ -7,8 +7,9 @@ from __future__ import annotations
 
 # Fields peers honour that this server does not (yet): refused with a 400 that names them.
 REFUSED: dict[str, str] = {
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the legacy functions field is not supported: send the functions as tools "
+                 "([{'type': 'function', 'function': {...}}])",
+    "function_call": "the legacy function_call field is not supported: send tools and tool_choice",
     "guided_grammar": "grammars are not supported: use guided_json, guided_regex or guided_choice",
     "grammar": "GBNF grammars are not supported: use json_schema, guided_regex or guided_choice",
     "chat_template": "a per-request chat template is not supported: start the server with --chat-template FILE",

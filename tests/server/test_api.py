@@ -231,6 +231,32 @@ def test_unknown_model_and_route_are_404(srv):
     assert err["message"] == "GET is not allowed on /v1/chat/completions"
 
 
+def test_api_edges_a_qa_pass_found(srv):
+    """The limit named as sent (max_completion_tokens said max_tokens), an assistant's refusal part read
+    back as its text (a 400 before; OpenAI writes it into the history), no /docs or /redoc (pages loading
+    scripts from a CDN, outside the key), one metrics label for every model's own path (it was 'other')."""
+    h = {"Authorization": "Bearer sk-alice"}
+    url = srv.base_url + "/chat/completions"
+    err = _assert_openai_error(httpx.post(url, headers=h, json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_completion_tokens": 65}), 400)
+    assert err["param"] == "max_completion_tokens" and err["message"].startswith("max_completion_tokens is 65"), err
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+               {"role": "user", "content": "why"}]
+    r = httpx.post(url, headers=h, json={"messages": history, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    n = httpx.post(srv.url + "/tokenize", headers=h, json={"messages": history}).json()["count"]
+    as_text = [history[0], {"role": "assistant", "content": "no"}, history[2]]
+    assert n == httpx.post(srv.url + "/tokenize", headers=h, json={"messages": as_text}).json()["count"]
+    err = _assert_openai_error(httpx.post(url, headers=h, json={"max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}), 400)
+    assert "a refusal part belongs to an assistant message, not a user one" in err["message"], err
+    for page in ("/docs", "/redoc"):
+        assert httpx.get(srv.url + page).status_code == 404
+    httpx.get(srv.base_url + "/models/" + srv.model, headers=h)
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert 'isolab_http_requests_total{code="200",route="/v1/models/{model}"}' in metrics, metrics
+
+
 def test_limits(srv):
     h = {"Authorization": "Bearer sk-alice"}
     url = srv.base_url + "/completions"
@@ -257,7 +283,8 @@ def test_limits(srv):
     # a value that fits none of a union's forms: the form it got furthest into speaks, not 'not a string'
     ("/completions", {"prompt": [1, -2]}, None, "prompt.1: Input should be greater than or equal to 0", "prompt.1"),
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     None, "messages.0.content.0.type: Input should be 'text'", "messages.0.content.0.type"),
+     None, "messages.0.content.0: Input tag 'image_url' found using 'type' does not match any of the expected tags: "
+     "'text', 'refusal'", "messages.0.content.0"),
     ("/completions", {"prompt": "a", "suffix": "end"}, None, "suffix is not supported", "suffix"),
     # the first value at fault speaks, not a deeper error in a later message
     ("/chat/completions", {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": 5},
