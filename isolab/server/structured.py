@@ -36,6 +36,9 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
         if not isinstance(js, dict) or "schema" not in js:
             raise ApiError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                            param="response_format")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):  # ("yes" was taken)
+            raise ApiError(400, f"response_format.json_schema.strict must be true or false, not {js['strict']!r}",
+                           param="response_format.json_schema.strict")
         return GrammarSpec.json_schema(js["schema"], "response_format")
     raise ApiError(400, f"response_format type must be text, json_object or json_schema, not {kind!r}",
                    param="response_format")

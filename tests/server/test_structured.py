@@ -90,6 +90,8 @@ def test_peer_extensions_are_honoured(srv, body, check, path):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict"),  # (taken as true before)
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {}}, "response_format"),  # no type (it was read as text: a 200)
     ({"guided_json": "{not json"}, "guided_json"),
