@@ -31,8 +31,20 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser (add_parser makes its children of this class): remembers the last one
+    that parsed, so an unknown argument is refused with that command's usage, not the top level's
+    (`isolab generate Hi --bogus` printed `usage: isolab [-h] COMMAND ...`)."""
+
+    last: argparse.ArgumentParser | None = None
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        _Parser.last = self
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="isolab",
         description="An LLM engine whose shared KV cache is isolated by construction, and the lab that proves it.",
     )
@@ -65,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reconfigure is not None:
         reconfigure(errors="replace")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the command that was parsing them (exit 2, as parse_args does)
+        (_Parser.last or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

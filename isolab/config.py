@@ -25,8 +25,8 @@ KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def memory_bytes(text: str) -> int:
-    """'256MiB', '1GiB', '512M', or a plain number of bytes; InvalidRequestError otherwise."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    """'256MiB', '1GiB', '512M', '1TiB', or a plain number of bytes; InvalidRequestError otherwise."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().replace("ib", "").replace("b", "")
     try:
         if t and t[-1] in units:

@@ -58,7 +58,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         audit: bool = False,
-        inject_faults: Sequence[str] = (),
+        inject_faults: str | Sequence[str] = (),
         trace_path: str | None = None,
         bundle: ModelBundle | None = None,
     ) -> None:
@@ -67,7 +67,7 @@ class LLM:
             block_size=block_size, enable_prefix_caching=enable_prefix_caching, window_cache=window_cache,
             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
-            inject_faults=tuple(inject_faults), trace_path=trace_path,
+            inject_faults=inject_faults, trace_path=trace_path,  # (one name or several: config.fault_names)
         )
         self.engine = LLMEngine(self.config, bundle)
         self.tokenizer = self.engine.tokenizer

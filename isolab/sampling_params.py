@@ -165,6 +165,9 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], not {b!r}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias", "names a token twice")
+        for name in ("ignore_eos",):  # ("yes" was taken as true)
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be True or False, not {getattr(self, name)!r}")
         if self.structured is not None and not isinstance(self.structured, GrammarSpec):
             raise bad("structured", f"must be a GrammarSpec (e.g. GrammarSpec.json_schema(schema)), not "
                                     f"{type(self.structured).__name__}")

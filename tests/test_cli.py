@@ -35,6 +35,9 @@ def test_generate_streams_text(tiny_path):
     (["generate", "hi", "--model", "TINY", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["generate", "hi", "--model", "TINY", "--max-tokens", "100000"], "context"),
     (["generate", "hi", "--model", "MAMBA"], "architecture 'mamba' is not supported"),
+    (["generate", "hi", "--model", ""], "the model is an empty name"),  # (it named the current folder)
+    (["generate", "hi", "--model", "TINY", "--trace", "/dev/full"], "cannot write the trace '/dev/full'"),
+    (["bench", "--model", "TINY", "--num-requests", "1", "--json", "/nonexistent-isolab/x.json"], "--json"),  # before the run
 ])
 def test_bad_input_gets_one_sentence(tmp_path, tiny_path, args, needle):
     mamba = write_tiny_llama(tmp_path / "mamba.gguf", TinySpec(arch="mamba"))
@@ -44,6 +47,16 @@ def test_bad_input_gets_one_sentence(tmp_path, tiny_path, args, needle):
     assert needle in out.stderr
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_an_unknown_argument_is_refused_with_its_commands_usage():
+    """`isolab generate Hi --bogus` printed the top level's usage (`isolab [-h] COMMAND ...`)."""
+    for args, usage in ((["generate", "Hi", "--bogus"], "usage: isolab generate"),
+                        (["race", "explore", "passcode:buggy", "--frob"], "usage: isolab race explore"),
+                        (["--frob"], "usage: isolab [-h] COMMAND")):
+        out = isolab(*args)
+        assert out.returncode == 2 and out.stderr.startswith(usage), out.stderr
+        assert "unrecognized arguments: " + args[-1] in out.stderr
 
 
 def test_unknown_fault_is_refused(tiny_path):

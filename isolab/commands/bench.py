@@ -107,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from isolab.bench.workload import WorkloadSpec, make_workload
+    from isolab.commands.outputs import check_output_path
+
+    check_output_path(args.json, "--json")  # before the run: its figures were lost to a path checked at the end
 
     wl = make_workload(WorkloadSpec(args.num_requests, args.prompt_len, args.output_len, args.shared_prefix_len,
                                     args.shared_fraction, args.seed))
@@ -117,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
         from isolab.errors import InvalidRequestError, IsolabError
 
         if args.repeats != 1 or args.compare:
-            raise InvalidRequestError("--repeats and --compare run the engine in this process; with --url, run "
-                                      "`isolab bench --url` once a server", field="url")
+            raise InvalidRequestError("--repeats and --compare run the engine in this process, not a server: with "
+                                      "--url, run `isolab bench --url` once for each server and compare their --json "
+                                      "files", field="url")
         _refuse_engine_flags(args)
         from isolab.base_url import check_base_url
 
@@ -162,8 +166,14 @@ def run(args: argparse.Namespace) -> int:
         each = f" (median of {len(pairs)} pairs: {', '.join(f'{r:.2f}' for r in pairs)})" if len(pairs) > 1 else ""
         console.print(f"isolab / transformers output tokens/s: {result['ratio_vs_hf']:.2f}x{each}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+        except OSError as exc:  # (a full disk, /dev/full: the figures are printed above)
+            from isolab.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"--json {args.json}: cannot write it ({exc.strerror or exc}); the figures "
+                                      "are in the table above", field="json") from None
     return 0
 
 

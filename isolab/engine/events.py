@@ -6,6 +6,7 @@ Off by default (NullSink); `EngineConfig.trace_path` turns on a JsonlSink.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import IO, Protocol
 
@@ -45,7 +46,14 @@ class JsonlSink:
         except OSError as exc:
             raise InvalidRequestError(f"cannot write the trace {path!r} ({exc.strerror or exc})",
                                       field="trace_path") from None
+        self.path = path
         self.step = 0
+
+    def _failed(self, exc: OSError) -> InvalidRequestError:
+        """A write that failed (a full disk), named: the generic 'cannot write the output' said not which."""
+        with contextlib.suppress(OSError):
+            self._fh.close()  # (its buffer would fail again at exit)
+        return InvalidRequestError(f"cannot write the trace {self.path!r} ({exc.strerror or exc})", field="trace_path")
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -54,14 +62,26 @@ class JsonlSink:
         assert kind in EVENT_KINDS, kind
         rec = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
         rec.update(extra)
-        self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        try:
+            self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            raise self._failed(exc) from None
+        except ValueError:  # closed after a failed write: the error was raised then
+            if not self._fh.closed:
+                raise
 
     def flush(self) -> None:
         """Hand what is written to the OS (after each step and abort): a reader sees an idle engine's
         whole trace, and a process that dies loses at most the step it was in."""
         if not self._fh.closed:
-            self._fh.flush()
+            try:
+                self._fh.flush()
+            except OSError as exc:
+                raise self._failed(exc) from None
 
     def close(self) -> None:
         if not self._fh.closed:
-            self._fh.close()
+            try:
+                self._fh.close()
+            except OSError as exc:
+                raise self._failed(exc) from None

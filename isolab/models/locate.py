@@ -85,6 +85,9 @@ NAMED_MODELS = {"smollm2-135m-instruct": default_model_path, GEMMA3_NAME: gemma3
 def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         return default_model_path()
+    if isinstance(model, str) and not model.strip():  # (Path("") is the current folder: "'/x' is not a file")
+        raise ModelLoadError(f"the model is an empty name: give a GGUF path or one of {', '.join(NAMED_MODELS)}, "
+                             "or leave it out for the default")
     if isinstance(model, str) and model.lower() in NAMED_MODELS:
         return NAMED_MODELS[model.lower()]()
     path = Path(model)

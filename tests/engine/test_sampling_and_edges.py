@@ -19,7 +19,7 @@ def llm(tiny_bundle):
 
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", -1), ("temperature", -1.0), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2),
-    ("seed", -(2**63) - 1), ("seed", 2**64), ("logprobs", 99), ("stop", ("",)),
+    ("seed", -(2**63) - 1), ("seed", 2**64), ("logprobs", 99), ("stop", ("",)), ("ignore_eos", "yes"),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} ") as exc:  # the field as a client names it, not our class
@@ -384,3 +384,12 @@ def test_a_grammar_spec_built_by_hand_is_checked_as_the_builders_check_it(args, 
 
     with pytest.raises(InvalidRequestError, match=re.escape(says)):
         GrammarSpec(*args)
+
+
+def test_one_fault_name_as_a_str_and_sizes_in_tib(tiny_bundle):
+    """LLM(inject_faults="shared-rng") was read as its characters ("unknown fault '-'"); "1TiB" was no size."""
+    from isolab.config import memory_bytes
+
+    llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, inject_faults="shared-rng")
+    assert llm.config.inject_faults == frozenset({"shared-rng"})
+    assert memory_bytes("1TiB") == memory_bytes("1024GiB") == 1 << 40
