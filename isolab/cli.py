@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # refused by the command that was parsing them (exit 2, as parse_args does)
-        (_Parser.last or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = args.command in words and unknown[0] in words and words.index(unknown[0]) < words.index(args.command)
+        (parser if before else _Parser.last or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

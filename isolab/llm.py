@@ -75,14 +75,30 @@ class LLM:
         # one call drives the engine at a time: two threads stepping it at once took each other's
         # outputs (a KeyError, a zip() of unequal lengths: every call failed, in a QA pass)
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread inside a call (an on_step that calls back would wait on itself)
         self._closed = False
 
+    def _enter(self, what: str) -> None:
+        if self._owner == threading.get_ident():
+            raise InvalidRequestError(f"{what} was called from inside a call of this LLM (an on_step callback): "
+                                      "the engine is mid-step; call it after generate returns", field="on_step")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def _leave(self) -> None:
+        self._owner = None
+        self._lock.release()
+
     def close(self) -> None:
-        """Closes the engine's trace; later calls are refused. (Also `with LLM(...) as llm:`.)"""
-        with self._lock:
+        """Closes the engine's trace; later calls are refused (a call running in another thread finishes
+        first). Also `with LLM(...) as llm:`."""
+        self._enter("close")
+        try:
             if not self._closed:
                 self._closed = True
                 self.engine.close()
+        finally:
+            self._leave()
 
     def __enter__(self) -> LLM:
         return self
@@ -155,10 +171,13 @@ class LLM:
         if cache_scope is not None and not isinstance(cache_scope, str):  # (an int failed only once a block was hashed)
             raise InvalidRequestError(f"cache_scope is a tenant's name (a str) or None, not {type(cache_scope).__name__}",
                                       field="cache_scope")
-        with self._lock:
+        self._enter("generate" if what == "prompt" else "chat")
+        try:
             if self._closed:
                 raise InvalidRequestError("this LLM is closed: make a new one", field="llm")
             return self._run_locked(prompt_ids, plist, cache_scope, on_step, what)
+        finally:
+            self._leave()
 
     def _run_locked(self, prompt_ids: list[list[int]], plist: list[SamplingParams], cache_scope: str | None,
                     on_step: Callable[[list[RequestOutput]], None] | None, what: str) -> list[CompletionOutput]:

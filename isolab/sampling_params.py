@@ -36,10 +36,13 @@ class GrammarSpec:
         if not isinstance(self.source, str):
             raise InvalidRequestError(f"{self.field}: a grammar's source is a str, not {type(self.source).__name__}",
                                       field=self.field)
+        if self.kind == "json_object" and self.source:
+            raise InvalidRequestError(f"{self.field}: a json_object grammar takes no source (json_schema does)",
+                                      field=self.field)
         if self.kind == "choice":
             try:
                 options = json.loads(self.source)
-            except ValueError:
+            except (ValueError, RecursionError):
                 options = None
             if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
                 raise InvalidRequestError(f"{self.field}: a choice grammar's source is a JSON list of non-empty "

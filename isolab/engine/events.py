@@ -48,12 +48,17 @@ class JsonlSink:
                                       field="trace_path") from None
         self.path = path
         self.step = 0
+        self.error: InvalidRequestError | None = None  # once a write failed: raised again by every later one
 
     def _failed(self, exc: OSError) -> InvalidRequestError:
-        """A write that failed (a full disk), named: the generic 'cannot write the output' said not which."""
+        """A write that failed (a full disk), named: the generic 'cannot write the output' said not which.
+        It stays failed: a trace with a hole in it would pass for the whole record (a server's steps then
+        fail, each saying why, rather than serve on with an audit trail that silently stops)."""
         with contextlib.suppress(OSError):
             self._fh.close()  # (its buffer would fail again at exit)
-        return InvalidRequestError(f"cannot write the trace {self.path!r} ({exc.strerror or exc})", field="trace_path")
+        self.error = InvalidRequestError(f"cannot write the trace {self.path!r} ({exc.strerror or exc})",
+                                         field="trace_path")
+        return self.error
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -62,17 +67,18 @@ class JsonlSink:
         assert kind in EVENT_KINDS, kind
         rec = {"step": self.step, "event": kind, "block": block_id, "request": request_id, "scope": scope}
         rec.update(extra)
+        if self.error is not None:
+            raise self.error
         try:
             self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
         except OSError as exc:
             raise self._failed(exc) from None
-        except ValueError:  # closed after a failed write: the error was raised then
-            if not self._fh.closed:
-                raise
 
     def flush(self) -> None:
         """Hand what is written to the OS (after each step and abort): a reader sees an idle engine's
         whole trace, and a process that dies loses at most the step it was in."""
+        if self.error is not None:
+            raise self.error
         if not self._fh.closed:
             try:
                 self._fh.flush()

@@ -33,38 +33,66 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_CACHED = 1024  # compiled grammars a compiler keeps (each its grammar's text)
 
 
-# Where a JSON schema holds schemas (the rest, "enum", "const", "default", "examples", is data).
-_ONE = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties", "not",
-        "if", "then", "else", "contains", "propertyNames")
-_LIST = ("anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_OPENS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Where a JSON schema holds the schemas of values nested in the one it describes (the rest, "enum",
+# "const", "default", "examples", is data; "not", "if", "contains", "propertyNames" are left as sent).
+_ONE = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties")
+_LIST = ("prefixItems", "items", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+# Keywords that make an object's schema a composition: its keys come from more than one place
+_COMPOSES = ("$ref", "allOf", "anyOf", "oneOf", "if", "then", "else", "not", "dependentSchemas", "dependencies",
+             "dependentRequired", "patternProperties", "additionalProperties", "unevaluatedProperties")
 
 
-def close_objects(schema: object, *, in_all_of: bool = False) -> object:
-    """The schema with every object that lists its properties and says nothing of others closed
-    (additionalProperties: false), as xgrammar and vLLM read a schema by default and OpenAI's strict
-    mode requires. JSON Schema itself leaves such an object open, and a small model under an open
-    object invents keys until max_tokens ({"city": "Paris", "type": "string", "temperature": ...}, a
-    key even twice); a closed one still admits only outputs the schema accepts. Left open: an object
-    without "properties" ({"type": "object"}: any object; "properties": {} is none), one that says how
-    others look, and the members of an allOf (closing each would leave no object that satisfies them all)."""
+def _composes_objects(schema: object) -> bool:
+    """Whether objects are put together from parts anywhere in the schema: an allOf, or a $ref beside
+    other keywords (their keys merge, so closing each part would leave no object that satisfies all)."""
+    if isinstance(schema, dict):
+        if "allOf" in schema or ("$ref" in schema and len(schema) > 1 and set(schema) - {"$ref", "description",
+                                                                                      "title", "$comment"}):
+            return True
+        return any(_composes_objects(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_composes_objects(v) for v in schema)
+    return False
+
+
+def close_objects(schema: object) -> object:
+    """The schema with each plain object closed: one that lists its "properties", names only those in
+    "required", and says nothing of other keys or of parts it is composed with gets additionalProperties
+    false, as xgrammar (vLLM's default backend) reads a schema; OpenAI's strict mode requires schemas to
+    say so. JSON Schema itself leaves such an object open, and a small model under an open object invents
+    keys until max_tokens ({"city": "Paris", "type": "string", "temperature": ...}, a key even twice); a
+    closed one admits only outputs the schema accepts.
+
+    Left as sent: an object without "properties" ({"type": "object"}: any object); one beside anyOf,
+    oneOf, $ref, if or dependencies (a discriminated union's branches add keys to it, so neither it nor
+    its branches are closed); one whose "required" names a key it does not list; and the whole schema
+    when it composes objects anywhere (allOf, a $ref beside other keywords: parts whose keys merge)."""
+    if _composes_objects(schema):
+        return schema
+    return _close(schema)
+
+
+def _close(schema: object) -> object:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    props = out.get("properties")
+    own = isinstance(props, dict) or isinstance(out.get("required"), list)  # an object that names keys itself
+    if own and ("anyOf" in out or "oneOf" in out):  # a union's branches add keys to it, and may describe
+        return schema  # the same nested values its properties do: all of it left as sent
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = close_objects(out[key])
+            out[key] = _close(out[key])
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [close_objects(s) for s in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [close_objects(s, in_all_of=True) for s in out["allOf"]]
+            out[key] = [_close(s) for s in out[key]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(s) for name, s in out[key].items()}
-    if isinstance(out.get("properties"), dict) and not in_all_of \
-            and "allOf" not in out and not any(k in out for k in _OPENS):
+            out[key] = {name: _close(s) for name, s in out[key].items()}
+    required = out.get("required", [])
+    if isinstance(props, dict) and not any(k in out for k in _COMPOSES) \
+            and isinstance(required, list) and all(k in props for k in required):
         out["additionalProperties"] = False
     return out
 

@@ -23,8 +23,8 @@ from isolab.errors import ModelLoadError, UnsupportedModelError
 # Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout, with what each
 # adds: qwen2 biases on q, k and v; qwen3 an RMSNorm on each head of q and k (models/llama.py).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-MAX_CONTEXT = 1 << 24  # tokens: the RoPE tables are built for the whole context at load (16M: 4 GiB of them at
-#   a head size of 64), and no GGUF model we know of claims more than 10M
+MAX_CONTEXT = 1 << 24  # tokens: the RoPE tables are built for the whole context at load (16M: 4 GiB of them in
+#   bf16 at a head size of 64, about 3x that while they are computed in fp32); no supported GGUF claims more
 PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaves q/k rows for these only (reverse_permute)
 
 # Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the
@@ -75,8 +75,7 @@ class LlamaHParams:
         if self.context_length > MAX_CONTEXT:
             raise UnsupportedModelError(f"the GGUF's {self.arch}.context_length is {self.context_length:,} tokens, "
                                         f"more than isolab takes ({MAX_CONTEXT:,})")
-        for name, x in (("rope.freq_base", self.rope_theta), ("attention.layer_norm_rms_epsilon", self.rms_eps),
-                        ("rope.freq_base (local layers)", self.rope_theta_local)):
+        for name, x in (("rope.freq_base", self.rope_theta), ("attention.layer_norm_rms_epsilon", self.rms_eps)):
             if not (math.isfinite(x) and x > 0):
                 raise ModelLoadError(f"the GGUF's {self.arch}.{name} is {x}: it must be a positive number")
         if self.head_dim % 2:

@@ -185,7 +185,7 @@ def _wait_running(serve: Any, names: list[str], *, say_every_s: float = 30.0, po
             details = [d.message for d in app.deployments.values() if d.message] or \
                 [app.message or f"{status} (Serve has given no reason yet)"]
             if status == "DEPLOY_FAILED":  # (Serve's own wait fails on this one only: UNHEALTHY may recover)
-                raise ScaleOutError(f"replica {replica} failed to start: {(app.message or details[0])[:400]}")
+                raise ScaleOutError(f"replica {replica} failed to start: {_reason(details[0])}")
             waiting.append(details[0])
         if not waiting:
             return
@@ -193,6 +193,17 @@ def _wait_running(serve: Any, names: list[str], *, say_every_s: float = 30.0, po
             said = clock()
             log.warning("%d of %d replica(s) not running yet: %s", len(waiting), len(names), waiting[0][:400])
         sleep(poll_s)
+
+
+def _reason(message: str) -> str:
+    """A failed deployment's message in a line: Serve's first sentence and the error its traceback ends
+    with ("The deployment failed to start 3 times in a row. ... Error:\\n<traceback>"; the app's own
+    message only says "Failed to update the deployments ['engine']")."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "Serve gave no reason"
+    first = lines[0].split(". ")[0].rstrip(".")
+    return first if len(lines) == 1 else f"{first}: {lines[-1][:300]}"
 
 
 def _for_replica(config: EngineConfig, index: int) -> EngineConfig:

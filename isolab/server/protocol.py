@@ -256,8 +256,9 @@ class ChatCompletionRequest(BaseRequest):
             if isinstance(m, dict):
                 out |= {f"messages[].{k}" for k, v in m.items() if k not in read and v is not None}
                 if isinstance(m.get("content"), list):
+                    kinds = {"text": ChatContentPart.model_fields, "refusal": ChatRefusalPart.model_fields}
                     out |= {f"messages[].content[].{k}" for part in m["content"] if isinstance(part, dict)
-                            for k in part if k not in ChatContentPart.model_fields}
+                            for k in part if k not in kinds.get(str(part.get("type")), ChatContentPart.model_fields)}
         return out
 
 

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from isolab.sampling_params import GrammarSpec
 
@@ -34,7 +34,7 @@ class FunctionDef(BaseModel):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None  # ("yes" was taken)
 
     @field_validator("parameters")
     @classmethod

@@ -377,6 +377,8 @@ def test_a_scope_that_is_no_str_and_a_closed_llm_are_refused_in_a_sentence(tiny_
     (("choice", "[]"), "a choice grammar's source is a JSON list of non-empty strings"),
     (("choice", '["a", ""]'), "a choice grammar's source is a JSON list of non-empty strings"),
     (("regex", 5), "a grammar's source is a str, not int"),
+    (("json_object", '{"type": "array"}'), "a json_object grammar takes no source"),
+    (("choice", "[" * 100_000), "a choice grammar's source is a JSON list"),  # (a RecursionError)
 ])
 def test_a_grammar_spec_built_by_hand_is_checked_as_the_builders_check_it(args, says):
     """A QA pass: GrammarSpec("bogus", ...) ran as a Lark grammar, and a choice of [] gave ""."""
@@ -393,3 +395,15 @@ def test_one_fault_name_as_a_str_and_sizes_in_tib(tiny_bundle):
     llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20, inject_faults="shared-rng")
     assert llm.config.inject_faults == frozenset({"shared-rng"})
     assert memory_bytes("1TiB") == memory_bytes("1024GiB") == 1 << 40
+
+
+def test_a_call_back_into_the_llm_from_on_step_is_refused_not_a_hang(tiny_bundle):
+    """With the lock, an on_step that called generate (or close) waited on itself forever (a review)."""
+    llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
+    for again in (lambda: llm.generate("a b", SamplingParams(max_tokens=1)), llm.close):
+        def on_step(_outputs, again=again):
+            again()
+
+        with pytest.raises(InvalidRequestError, match="called from inside a call of this LLM"):
+            llm.generate("hi", SamplingParams(max_tokens=3), on_step=on_step)
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids  # still usable, not closed

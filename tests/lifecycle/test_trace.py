@@ -158,3 +158,22 @@ def test_lifecycle_cli(tiny_bundle, tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"step": 1}\n')
     assert main(["lifecycle", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "b.png")]) == 2
     assert "not a block event" in capsys.readouterr().err
+
+
+def test_a_trace_that_cannot_be_written_says_so_by_name_at_every_later_write():
+    """A full disk: the sink names its file (the CLI said only 'cannot write the output'), and stays
+    failed, so a trace with a hole never passes for the whole record."""
+    import pytest
+
+    from isolab.engine.events import JsonlSink
+    from isolab.errors import InvalidRequestError
+
+    sink = JsonlSink("/dev/full")
+    with pytest.raises(InvalidRequestError, match="cannot write the trace '/dev/full'"):
+        for b in range(100_000):  # past the file's buffer
+            sink.emit("allocated", b, "r", "s")
+        sink.flush()
+    for again in (lambda: sink.emit("allocated", 0, "r", "s"), sink.flush):
+        with pytest.raises(InvalidRequestError, match="cannot write the trace '/dev/full'"):
+            again()
+    sink.close()  # quietly: the error was raised already

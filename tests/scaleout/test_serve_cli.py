@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from isolab.cli import main
@@ -96,6 +97,15 @@ class _Serve:
         return types.SimpleNamespace(applications=self.polls.pop(0) if len(self.polls) > 1 else self.polls[0])
 
 
+# What Ray 2.60 sets on a deployment whose constructor fails: the app's message names no reason, the
+# deployment's ends with the traceback (serve/_private/application_state.py, deployment_state.py)
+RAY_FAILED = {"message": "Failed to update the deployments ['engine'].",
+              "deployment_message": "The deployment failed to start 3 times in a row. This may be due to a problem "
+                                    "with its constructor or initial health check failing. See controller logs for "
+                                    "details. Error:\nTraceback (most recent call last):\n  File \"replica.py\", "
+                                    "line 40, in __init__\n    raise ValueError('bad model')\nValueError: bad model"}
+
+
 def test_a_start_that_waits_for_room_says_why_and_a_failed_one_ends_in_a_sentence(caplog):
     """A joined cluster without room for the replicas kept `isolab serve` waiting without a word: what
     Serve says of a replica still waiting is logged, a failed one ends the start with Serve's reason."""
@@ -120,9 +130,9 @@ def test_a_start_that_waits_for_room_says_why_and_a_failed_one_ends_in_a_sentenc
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "1 of 2 replica(s) not running yet" in said[0] and "Resources required" in said[0], said
 
-    failed = _Serve([{names[0]: _app("DEPLOY_FAILED", message="The deployment failed to start 3 times in a row. "
-                                     "ValueError: bad model")}])
-    with pytest.raises(d.ScaleOutError, match="replica 0 failed to start: The deployment failed .* bad model"):
+    failed = _Serve([{names[0]: _app("DEPLOY_FAILED", **RAY_FAILED)}])
+    with pytest.raises(d.ScaleOutError, match=re.escape(
+            "replica 0 failed to start: The deployment failed to start 3 times in a row: ValueError: bad model")):
         d._wait_running(failed, names, clock=lambda: t[0], sleep=sleep)
     with pytest.raises(d.ScaleOutError, match="replica 1's Serve app is gone"):
         d._wait_running(_Serve([{names[0]: _app("RUNNING")}]), names, clock=lambda: t[0], sleep=sleep)
@@ -139,3 +149,39 @@ def test_a_joined_cluster_short_of_cpus_or_gpus_is_named_before_the_wait(caplog)
         d._say_if_no_room({"CPU": 6.0}, 4, 2.0, 1.0)
     [said] = [r.getMessage() for r in caplog.records]
     assert "4 x 2 CPU = 8 CPU (free: 6)" in said and "4 x 1 GPU = 4 GPU (free: 0)" in said, said
+
+
+def test_deploy_waits_through_the_speaking_wait_and_a_failed_replica_ends_the_start(monkeypatch):
+    """deploy() itself: the apps are started without Serve's silent wait, and the wait that names a
+    failed replica's reason ends the start (and removes what started)."""
+    import types
+
+    import pytest
+
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    import ray
+
+    from isolab.config import build_engine_config
+    from isolab.scaleout import deploy as d
+
+    calls: dict = {}
+
+    def run_many(targets, **kw):
+        calls["run_many"] = kw
+        calls["names"] = [t.name for t in targets]
+        return [object() for _ in targets]
+
+    serve = types.SimpleNamespace(
+        start=lambda **kw: None, run_many=run_many,
+        RunTarget=lambda app, name, route_prefix: types.SimpleNamespace(name=name),
+        deployment=lambda *a, **kw: types.SimpleNamespace(bind=lambda *a: None),
+        status=lambda: types.SimpleNamespace(applications={n: _app("DEPLOY_FAILED", **RAY_FAILED)
+                                                           for n in calls["names"]}))
+    torn: list[str] = []
+    monkeypatch.setattr(d, "require_ray", lambda: serve)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(d, "_teardown", lambda prefix, local: torn.append(prefix))
+    with pytest.raises(d.ScaleOutError, match="replica 0 failed to start: .* ValueError: bad model"):
+        d.deploy(build_engine_config(), d.ScaleOut(replicas=2, threads_per_replica=1, ray_address="auto"), 8)
+    assert calls["run_many"] == {"wait_for_applications_running": False} and len(torn) == 1

@@ -244,6 +244,7 @@ def test_api_edges_a_qa_pass_found(srv):
                {"role": "user", "content": "why"}]
     r = httpx.post(url, headers=h, json={"messages": history, "max_tokens": 2})
     assert r.status_code == 200, r.text
+    assert "refusal" not in r.headers.get("x-isolab-ignored-params", ""), r.headers  # (it is read)
     n = httpx.post(srv.url + "/tokenize", headers=h, json={"messages": history}).json()["count"]
     as_text = [history[0], {"role": "assistant", "content": "no"}, history[2]]
     assert n == httpx.post(srv.url + "/tokenize", headers=h, json={"messages": as_text}).json()["count"]

@@ -235,9 +235,9 @@ def test_stops_beside_a_json_output_do_not_cut_it_and_are_reported(srv, body, mo
 
 
 def test_objects_that_list_their_properties_are_closed_and_nothing_else_is():
-    """close_objects: every object schema with "properties" and no word on other keys gets
-    additionalProperties false, wherever schemas nest; data (enum, const, default), a property named
-    like a keyword, explicit openings, objects without "properties" and allOf's members stay as sent."""
+    """close_objects: a plain object schema (its "properties", "required" among them, nothing composed)
+    gets additionalProperties false wherever it nests; data (enum, const, default), a property named like
+    a keyword, explicit openings and objects without "properties" stay as sent."""
     from isolab.engine.grammar import close_objects
 
     leaf = {"type": "object", "properties": {"a": {"type": "string"}}}
@@ -246,7 +246,8 @@ def test_objects_that_list_their_properties_are_closed_and_nothing_else_is():
         "properties": {"properties": leaf, "additionalProperties": {"type": "integer"}, "list": {"items": leaf},
                        "any": {"type": "object"}, "none": {"type": "object", "properties": {}},
                        "open": {**leaf, "additionalProperties": True}, "pat": {**leaf, "patternProperties": {"^x": {}}},
-                       "both": {"allOf": [leaf, {"properties": {"b": {}}}]}, "either": {"anyOf": [leaf, {"const": 1}]}},
+                       "either": {"anyOf": [leaf, {"const": 1}]}, "ref": {"$ref": "#/$defs/d"},
+                       "unknown": {**leaf, "required": ["a", "b"]}},
         "$defs": {"d": leaf}, "enum": [leaf], "default": leaf,
     }
     closed = close_objects(schema)
@@ -257,8 +258,41 @@ def test_objects_that_list_their_properties_are_closed_and_nothing_else_is():
     assert p["list"]["items"] == closed_leaf and p["either"]["anyOf"][0] == closed_leaf
     assert closed["$defs"]["d"] == closed_leaf and p["none"]["additionalProperties"] is False
     assert p["any"] == {"type": "object"} and p["open"]["additionalProperties"] is True and "additionalProperties" not in p["pat"]
-    assert p["both"] == schema["properties"]["both"] and closed["enum"] == [leaf] and closed["default"] == leaf
+    assert "additionalProperties" not in p["unknown"]  # (required names a key it does not list)
+    assert closed["enum"] == [leaf] and closed["default"] == leaf
     assert schema["properties"]["properties"] == leaf  # the caller's schema is not changed
+
+
+BASE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("schema", "doc"), [
+    ({"$defs": {"base": BASE}, "$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]},
+     {"a": 1, "b": 2}),  # a $ref beside properties: their keys merge
+    ({"$defs": {"base": BASE}, "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "integer"}}}]},
+     {"a": 1, "b": 2}),  # OpenAPI's inheritance
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "oneOf": [{"properties": {"kind": {"const": "x"}, "x": {"type": "integer"}}, "required": ["x"]}]},
+     {"kind": "x", "x": 1}),  # a discriminated union
+    ({"type": "object", "properties": {"p": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "anyOf": [{"properties": {"p": {"properties": {"b": {"type": "integer"}}}}}]}, {"p": {"a": 1, "b": 2}}),
+    ({"allOf": [{"properties": {"p": {"properties": {"a": {"type": "integer"}}}}},
+                {"properties": {"p": {"properties": {"b": {"type": "integer"}}}}}]}, {"p": {"a": 1, "b": 2}}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "z"]}, {"a": 1, "z": 2}),
+    ({"anyOf": [BASE, {"type": "object", "properties": {"b": {"type": "integer"}}}]}, {"b": 2}),
+])
+def test_closing_never_refuses_a_document_the_schema_accepts(tiny_bundle, schema, doc):
+    """A review found the first form of close_objects made composed schemas unsatisfiable (a $ref or
+    allOf whose parts each got closed; a union's branches closed against the keys the object beside
+    them lists). Each document here, valid under its schema, must still be accepted by the grammar."""
+    from isolab.engine.grammar import GrammarCompiler
+
+    jsonschema.validate(doc, schema)
+    compiler = GrammarCompiler(tiny_bundle.tokenizer, tiny_bundle.hparams.vocab_size, tiny_bundle.fingerprint)
+    matcher = compiler.matcher(compiler.compile(GrammarSpec.json_schema(schema)))
+    matcher.consume_tokens(tiny_bundle.tokenizer.hf.encode(json.dumps(doc, separators=(",", ":")),
+                                                          add_special_tokens=False))
+    assert not matcher.is_error() and matcher.is_accepting(), matcher.get_error()
 
 
 @pytest.mark.parametrize("via", ["response_format", "named tool"])
