@@ -95,6 +95,11 @@ class Limits:
         if requested is not None:
             if requested > limit:
                 raise ApiError(400, f"{field} is {requested}; this server allows at most {limit}", param=field)
+            if prompt_len is not None and prompt_len + requested > self.max_model_len:  # (the engine's own
+                # check says max_tokens, whichever name the client sent the limit under)
+                raise ApiError(400, f"the prompt has {prompt_len} tokens and {field} is {requested}: together more "
+                                    f"than the context of {self.max_model_len} tokens", param="messages",
+                               code="context_length_exceeded")
             return requested
         value = min(default, limit)
         if prompt_len is not None:  # room left in the context (and the KV pool), so a long chat still gets an answer

@@ -320,6 +320,14 @@ def test_engine_context_limit_is_400(server_factory, tiny_bundle):
     with pytest.raises(openai.BadRequestError) as e:
         srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "b" * 80}])
     assert e.value.body["code"] == "context_length_exceeded" and "no room for an answer" in e.value.body["message"]
+    # the limit named as the client sent it (the engine's check said max_tokens for max_completion_tokens)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            srv.client().chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "b" * 30}],
+                                                 **{field: 60})
+        body = e.value.body
+        assert body["code"] == "context_length_exceeded" and f" and {field} is 60: together more than the context " \
+            "of 64 tokens" in body["message"], body
 
 
 def test_the_chat_default_fits_a_kv_pool_smaller_than_the_context(server_factory, tiny_bundle):
