@@ -149,8 +149,8 @@ def _stress(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.json}")
     if args.plot:
         interval = args.switch_interval or "default (5 ms)"
-        report.plot(args.plot, results, f"{args.requests:,} requests per run, switch interval {interval}")
-        print(f"wrote {args.plot}")
+        written = report.plot(args.plot, results, f"{args.requests:,} requests per run, switch interval {interval}")
+        print(f"wrote {written}")
     # like jcstress: a FORBIDDEN outcome in a variant that claims to be a fix fails the run
     forbidden = any(r.false_accepts + r.false_rejects for r in results if not VARIANTS[r.variant].racy)
     return 1 if forbidden else 0

@@ -35,7 +35,7 @@ from isolab.engine.model_runner import ModelRunner
 from isolab.engine.request import Request, RequestStatus, TokenLogprob
 from isolab.engine.sampler import make_generator
 from isolab.engine.scheduler import Scheduler
-from isolab.engine.step import SchedulerOutput
+from isolab.engine.step import NOT_FINITE, SchedulerOutput
 from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError
 from isolab.models.bundle import ModelBundle, load_bundle
 from isolab.sampling_params import SamplingParams
@@ -254,8 +254,8 @@ class LLMEngine:
         finished = self.scheduler.update(out, result)
         for s in result.sampled:
             req = self.requests[s.request_id]
-            if not req.output_token_ids:  # the scheduler kept no token (max_tokens 0: the prompt only)
-                outputs.append(self._output(req, (), ()))
+            if not req.output_token_ids or s.token_id == NOT_FINITE:  # the scheduler kept no token (max_tokens
+                outputs.append(self._output(req, (), ()))  # 0: the prompt only; a row of NaN logits)
                 continue
             outputs.append(self._output(req, (s.token_id,), (s.logprob,) if s.logprob else ()))
             self.num_generated_tokens += 1

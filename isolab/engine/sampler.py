@@ -11,6 +11,7 @@ import torch
 
 from isolab import kernels
 from isolab.engine.request import Request, TokenLogprob
+from isolab.engine.step import NOT_FINITE
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -114,6 +115,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 _BIT = torch.arange(32, dtype=torch.int32)  # bit i of a 32-bit word: token 32 * word + i
 
 
+
 def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) -> torch.Tensor:
     """(G, V) -> (G, V): each row's tokens that its own matcher forbids at -inf (row i, matcher i only).
 
@@ -151,22 +153,29 @@ def sample(
     if not all(r.params.greedy and not r.params.processes_logits and r.params.logprobs is None for r in requests):
         logits = logits.float()
     chosen = process_logits(logits, requests, eos_token_id, end_of_turn)
-    tokens: list[int] = argmax_rows(chosen).tolist()
+    top = argmax_rows(chosen)  # (M,)
+    nan = torch.isnan(chosen.gather(1, top.unsqueeze(1))).squeeze(1)  # (M,): a NaN row's argmax is NaN
+    tokens: list[int] = top.tolist()
     for i, req in enumerate(requests):
         p = req.params
         if not p.greedy:
             filtered = _filter(chosen[i] / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = torch.softmax(filtered, -1)
             gen = shared_generator if shared_generator is not None else req.generator
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+            try:
+                tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+            except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
+                tokens[i] = NOT_FINITE
+    if bool(nan.any()):
+        tokens = [NOT_FINITE if bad else t for t, bad in zip(tokens, nan.tolist(), strict=True)]
     lps: list[TokenLogprob | None] = [None] * M
     lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if lp_rows:
         logp = torch.log_softmax(logits[lp_rows], -1)  # (B, V): each row reduced on its own
         tops = top_logprobs(logp, [requests[i].params.logprobs or 0 for i in lp_rows])
-        picked = logp[torch.arange(len(lp_rows)), torch.tensor([tokens[i] for i in lp_rows])].tolist()
+        picked = logp[torch.arange(len(lp_rows)), torch.tensor([max(tokens[i], 0) for i in lp_rows])].tolist()
         for b, i in enumerate(lp_rows):
-            lps[i] = TokenLogprob(tokens[i], float(picked[b]), tops[b])
+            lps[i] = TokenLogprob(tokens[i], float(picked[b]), tops[b]) if tokens[i] != NOT_FINITE else None
     return list(zip(tokens, lps, strict=True))
 
 

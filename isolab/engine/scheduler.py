@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from isolab.config import SchedulerConfig
 from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.request import Request, RequestStatus
-from isolab.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from isolab.engine.step import NOT_FINITE, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from isolab.engine.stop import check_stop
-from isolab.errors import InvalidRequestError
+from isolab.errors import InvalidRequestError, IsolabError
 
 
 @dataclass
@@ -125,6 +125,12 @@ class Scheduler:
             assert req.request_id == s.request_id
             if req.params.max_tokens == 0:  # the prompt only (its logprobs): the sampled token is not kept
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
+                finished.append(req)
+                continue
+            if s.token_id == NOT_FINITE:  # this row's logits were NaN: the model, not the request, failed
+                req.error = IsolabError("the model's logits for this request are not numbers (NaN): its weights "
+                                        "are broken (a tensor in the model file holds NaN or infinity)")
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
                 finished.append(req)
                 continue
             req.append_output(s.token_id, s.logprob)

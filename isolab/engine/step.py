@@ -40,10 +40,16 @@ class SchedulerOutput:
         return SchedulerOutput(tuple(c for c in self.chunks if c.request.request_id not in request_ids))
 
 
+# The token drawn for a row whose logits are not numbers (NaN: broken weights in the file): no token is
+# kept, and the scheduler fails that request alone with a sentence (torch.multinomial raised for the
+# whole batch; greedy took token 0 forever)
+NOT_FINITE = -1
+
+
 @dataclass(frozen=True)
 class SampledToken:
     request_id: str
-    token_id: int
+    token_id: int  # NOT_FINITE: this row's logits were NaN
     logprob: TokenLogprob | None  # None unless the request asked for logprobs
 
 

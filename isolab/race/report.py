@@ -70,8 +70,9 @@ def write_json(path: Path, results: Sequence[RunResult], command: str) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def plot(path: Path, results: Sequence[RunResult], title: str) -> None:
-    """False accepts per 100k requests against threads, one line per variant (min..max bars)."""
+def plot(path: Path, results: Sequence[RunResult], title: str) -> Path:
+    """False accepts per 100k requests against threads, one line per variant (min..max bars); the path
+    written (matplotlib adds .png to a name without a suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,5 +98,8 @@ def plot(path: Path, results: Sequence[RunResult], title: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.suffix:
+        path = path.with_suffix(".png")  # (what savefig writes; "wrote noext" named a file that is not there)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
@@ -29,6 +30,7 @@ from isolab.errors import InvalidRequestError
 from isolab.race.checkers import get_variant
 
 MAX_BODY = 1024  # bytes: a passcode field needs far less
+READ_TIMEOUT_S = 10.0  # a request's line, headers and body each arrive within this, or the connection ends
 log = logging.getLogger("isolab.passcode")
 
 
@@ -116,9 +118,29 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # header and body go out in two writes: no 40 ms delayed-ACK stall
+        timeout = READ_TIMEOUT_S  # a client that sends part of a request and waits held a thread forever
 
-        def log_message(self, fmt: str, *args: object) -> None:  # method + path + status only
-            log.info("%s %s", self.client_address[0], fmt % args)
+        # What is logged: the client, a known route or "other", the status. Never a request line, a path
+        # or a body: a body left unread on a kept-alive connection was read as the next request line, and
+        # the standard handler logged it ("Bad HTTP/0.9 request type ('{"passcode":')"), passcode and all.
+        def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+            route = getattr(self, "path", "").split("?", 1)[0]
+            route = route if route in ROUTES else "other"
+            log.info("%s %s %s %s", self.client_address[0], getattr(self, "command", None) or "-", route, code)
+
+        def log_error(self, format: str, *args: object) -> None:  # noqa: A002 (the standard name)
+            log.info("%s malformed or timed-out request", self.client_address[0])
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            log.info("%s request", self.client_address[0])
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The standard handler's own refusals (a malformed request line, a method it has no do_ for)
+            as JSON like every other reply, on a connection closed after it."""
+            self.close_connection = True
+            self.request_version = self.protocol_version  # (a garbled line reads as HTTP/0.9: no status line)
+            # the status's own phrase: the standard message quotes the request line back
+            self._reply(code, {"error": HTTPStatus(code).phrase}, {"Connection": "close"})
 
         def _reply(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             body = json.dumps(payload).encode()
@@ -128,16 +150,36 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
             for name, value in (headers or {}).items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(body)
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _refuse_unread(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
+            """A refusal before the body is read: the connection closes after it, so the body is never
+            read as a request of its own (and logged)."""
+            self.close_connection = True
+            self._reply(status, payload, {**(headers or {}), "Connection": "close"})
 
         def _elsewhere(self, method: str) -> None:
             """A path we serve with another method (405 naming it), or one we do not serve (404)."""
-            allowed = ROUTES.get(self.path.split("?", 1)[0])
+            route = self.path.split("?", 1)[0]
+            allowed = ROUTES.get(route)
             if allowed is not None and allowed != method:
-                self._reply(405, {"error": f"{method} is not allowed on {self.path}: use {allowed}"},
-                            {"Allow": allowed})
+                self._refuse_unread(405, {"error": f"{method} is not allowed on {route}: use {allowed}"},
+                                    {"Allow": allowed})
             else:
-                self._reply(404, {"error": "not found"})
+                self._refuse_unread(404, {"error": "not found"})
+
+        def do_PUT(self) -> None:
+            self._elsewhere("PUT")
+
+        def do_DELETE(self) -> None:
+            self._elsewhere("DELETE")
+
+        def do_PATCH(self) -> None:
+            self._elsewhere("PATCH")
+
+        def do_HEAD(self) -> None:
+            self._elsewhere("HEAD")
 
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] == "/healthz":
@@ -154,13 +196,19 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
             except ValueError:
                 length = -1
             if length < 0:
-                self._reply(411, {"error": "Content-Length required"})
+                self._refuse_unread(411, {"error": "Content-Length required"})
                 return
             if length > MAX_BODY:
-                self.close_connection = True
-                self._reply(413, {"error": f"body over {MAX_BODY} bytes"})
+                self._refuse_unread(413, {"error": f"body over {MAX_BODY} bytes"})
                 return
-            raw = self.rfile.read(length)
+            try:
+                raw = self.rfile.read(length)
+            except OSError:  # (TimeoutError: a body that never came in READ_TIMEOUT_S; a client gone)
+                self.close_connection = True
+                return
+            if len(raw) < length:  # the client closed before its whole body
+                self.close_connection = True
+                return
             wait = limiter.wait(self.client_address[0])
             if wait:
                 self._reply(429, {"error": "too many attempts"}, {"Retry-After": str(math.ceil(wait))})
@@ -176,8 +224,14 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
             log.info("%s check accepted=%s", self.client_address[0], accepted)
             self._reply(200, {"accepted": accepted})
 
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            # a client that hangs up mid-reply: one line, not socketserver's traceback on stderr
+            kind = sys.exc_info()[0]
+            log.info("%s connection ended: %s", client_address[0], kind.__name__ if kind is not None else "?")
+
     try:
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = Server((host, port), Handler)
     except OSError as exc:  # in use, not this machine's address, a port below 1024 without the right
         raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port") from None
     server.daemon_threads = True

@@ -102,6 +102,9 @@ def run_once(variant: Variant, config: StressConfig, repeat: int = 0) -> RunResu
             target=worker,
             args=(i, RIGHT if i < config.num_right_threads else WRONG, per_thread[i]),
             name=f"stress-{i}",
+            # daemon: a Ctrl-C ends the command at once (it said "interrupted", then waited out every
+            # worker's requests); a stop flag in the loop would change the timing the run measures
+            daemon=True,
         )
         for i in range(config.threads)
     ]

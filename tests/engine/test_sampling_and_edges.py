@@ -407,3 +407,38 @@ def test_a_call_back_into_the_llm_from_on_step_is_refused_not_a_hang(tiny_bundle
         with pytest.raises(InvalidRequestError, match="called from inside a call of this LLM"):
             llm.generate("hi", SamplingParams(max_tokens=3), on_step=on_step)
     assert llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids  # still usable, not closed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, monkeypatch, temperature):
+    """Broken weights (NaN in a tensor): torch.multinomial raised for the whole batch, and a greedy row
+    took token 0 forever. The request whose row is NaN fails with a sentence; the one beside it gets
+    its solo tokens."""
+    from isolab.errors import IsolabError
+
+    llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
+    sp = SamplingParams(max_tokens=6, temperature=temperature, seed=3)
+    solo = llm.generate("a b c", sp)[0]
+    model = llm.engine.runner.model
+    real = model.logits_raw
+
+    def poisoned(hidden):
+        out = real(hidden).clone()
+        if out.shape[0] == 2:  # the step both requests share: the first one's row only
+            out[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "logits_raw", poisoned)
+    engine, outs = llm.engine, {}
+    for rid, prompt in (("nan", "the cat"), ("fine", "a b c")):
+        engine.add_request(rid, llm.tokenizer.encode(prompt), sp)
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    monkeypatch.undo()
+    assert outs["nan"].finish_reason == "error" and outs["nan"].output_token_ids == ()
+    assert isinstance(outs["nan"].error, IsolabError) and "logits for this request are not numbers (NaN)" in str(outs["nan"].error)
+    assert outs["fine"].error is None and outs["fine"].output_token_ids == solo.token_ids, outs
+    assert engine.kv.num_held_blocks() == 0
+    with pytest.raises(IsolabError, match="the model's logits for this request are not numbers"):  # the API: a sentence
+        monkeypatch.setattr(model, "logits_raw", lambda h: real(h).clone().fill_(float("nan")))
+        llm.generate("the cat", sp)

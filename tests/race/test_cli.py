@@ -47,3 +47,23 @@ def test_explore_list_names_the_builtins(capsys) -> None:
     assert main(["race", "explore", "--list"]) == 0
     names = capsys.readouterr().out.split()
     assert "passcode:buggy" in names and "fixtures:lost_wakeup" in names
+
+
+def test_a_ctrl_c_ends_a_long_stress_run_at_once() -> None:
+    """It printed "interrupted" and then waited out every worker's requests (17 s for 2M; minutes for more)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "isolab.cli", "race", "stress", "--variant", "buggy", "--threads", "4",
+                             "--requests", "100000000", "--repeat", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(6)  # (the import and the workers' start, on a loaded machine)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        code = proc.wait(timeout=30)
+        assert code == 130 and time.monotonic() - sent < 5, (code, time.monotonic() - sent)
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        proc.kill()

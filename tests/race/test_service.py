@@ -76,6 +76,60 @@ def test_the_wrong_method_is_a_405_naming_the_right_one_and_a_429_says_when(serv
     conn.close()
 
 
+def _raw(port: int, data: bytes, wait: float = 2.0) -> bytes:
+    """What the server sends back on one connection for these bytes, until it closes or `wait` passes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(data)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except TimeoutError:
+            pass
+    return got
+
+
+def test_no_body_a_refusal_leaves_unread_reaches_the_log(server: int, caplog) -> None:
+    """A QA pass: a body the server did not read (a 404 for /check/, a 405 for GET /check) stayed on the
+    kept-alive connection, was read as the next request line, and the standard handler logged it
+    (`Bad HTTP/0.9 request type ('{"passcode":')`), the real passcode included, with a second HTML reply."""
+    caplog.set_level(logging.INFO, logger="isolab.passcode")
+    body = json.dumps({"passcode": "hunter2-secret"}).encode()
+    for method, path in (("POST", "/check/"), ("POST", "/"), ("GET", "/check"), ("PUT", "/check"),
+                         ("POST", "/hunter2-secret?code=hunter2-secret")):
+        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        reply = _raw(server, head + body)
+        assert reply.count(b"HTTP/1.1 ") == 1 and b"<html" not in reply.lower(), reply  # one JSON reply
+        assert reply.split(b" ", 2)[1] in (b"404", b"405"), reply
+    assert b"HTTP/1.1 400" in _raw(server, b"NOT A REQUEST LINE AT ALL hunter2-secret\r\n\r\n")
+    assert "hunter2" not in caplog.text, caplog.text
+
+
+def test_a_client_that_stops_mid_request_is_let_go(monkeypatch, capsys) -> None:
+    """No read timeout held a thread per half-sent request forever (200 of them: 170 threads), and a
+    client hanging up printed socketserver's traceback."""
+    import time
+
+    import isolab.race.service as service
+
+    monkeypatch.setattr(service, "READ_TIMEOUT_S", 0.5)
+    srv = make_server("lock_local", "hunter2-secret", port=0, max_attempts=0, window=60, scrypt_n=2)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        start = time.monotonic()
+        reply = _raw(port, b"POST /check HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"", wait=5)
+        assert reply == b"" and time.monotonic() - start < 3  # closed after the read timeout, no reply
+        assert _raw(port, b"", wait=5) == b"" and time.monotonic() - start < 6  # nothing sent at all
+        assert _post(port, json.dumps({"passcode": "hunter2-secret"}).encode()) == (200, {"accepted": True})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_loopback_load_catches_the_buggy_variant_only() -> None:
     runs = []
     for _ in range(3):  # probabilistic: retry a bounded number of times, stop at the first catch
