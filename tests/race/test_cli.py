@@ -67,3 +67,10 @@ def test_a_ctrl_c_ends_a_long_stress_run_at_once() -> None:
         assert "interrupted" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_a_right_share_that_leaves_no_race_possible_is_said(capsys) -> None:
+    """--right-share 0.1 at 2 threads had both threads send the wrong passcode: buggy graded OK silently."""
+    assert main(["race", "stress", "--variant", "buggy", "--threads", "2", "--right-share", "0.1",
+                 "--requests", "200"]) == 0
+    assert "at 2 threads, --right-share 0.1 has every thread send the wrong passcode" in capsys.readouterr().err
