@@ -115,7 +115,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 _BIT = torch.arange(32, dtype=torch.int32)  # bit i of a 32-bit word: token 32 * word + i
 
 
-
 def _grammar_mask(rows: torch.Tensor, matchers: list, eos_token_id: int | None) -> torch.Tensor:
     """(G, V) -> (G, V): each row's tokens that its own matcher forbids at -inf (row i, matcher i only).
 
