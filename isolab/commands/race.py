@@ -102,8 +102,11 @@ def _add_search_args(explore: argparse.ArgumentParser) -> None:
 
 
 def _ints(text: str, what: str) -> list[int]:
+    parts = text.split(",")
+    if any(not x.strip() for x in parts):  # ("2,,4" was read as 2,4)
+        raise InvalidRequestError(f"{what} must be a comma list of integers, got {text!r} (an empty item)")
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in parts]
     except ValueError:
         raise InvalidRequestError(f"{what} must be a comma list of integers, got {text!r}") from None
     if not values or min(values) < 1:

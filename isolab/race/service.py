@@ -30,6 +30,7 @@ from isolab.errors import InvalidRequestError
 from isolab.race.checkers import get_variant
 
 MAX_BODY = 1024  # bytes: a passcode field needs far less
+MAX_WINDOW_S = 86400.0
 READ_TIMEOUT_S = 10.0  # a request's line, headers and body each arrive within this, or the connection ends
 log = logging.getLogger("isolab.passcode")
 
@@ -98,8 +99,9 @@ def check_settings(port: int, max_attempts: int, window: float) -> None:
     if max_attempts < 0:
         raise InvalidRequestError(f"--max-attempts must be 0 (no limit) or more, not {max_attempts}",
                                   field="max_attempts")
-    if not (math.isfinite(window) and window > 0):
-        raise InvalidRequestError(f"--window must be a positive number of seconds, not {window}", field="window")
+    if not (math.isfinite(window) and 0 < window <= MAX_WINDOW_S):  # (1e300 sent a 301-digit Retry-After)
+        raise InvalidRequestError(f"--window must be a positive number of seconds, at most {MAX_WINDOW_S:g} "
+                                  f"(a day), not {window}", field="window")
 
 
 def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int = 0, max_attempts: int = 10,
@@ -241,8 +243,12 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
 def serve_forever(variant: str, host: str, port: int, max_attempts: int, window: float, scrypt_n: int) -> int:
     check_settings(port, max_attempts, window)
     passcode = os.environ.get("ISOLAB_PASSCODE")
-    if not passcode:
-        raise InvalidRequestError("set ISOLAB_PASSCODE to the passcode the service should accept")
+    if not passcode or not passcode.strip():  # (spaces were taken as the passcode)
+        raise InvalidRequestError("set ISOLAB_PASSCODE to the passcode the service should accept (not empty, "
+                                  "not only spaces)")
+    if not host.strip():  # ("" listened on every interface, and the banner said http://:PORT)
+        raise InvalidRequestError("--host is empty: give an address (127.0.0.1, or 0.0.0.0 for every interface)",
+                                  field="host")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = make_server(variant, passcode, host, port, max_attempts, window, scrypt_n)
     print(f"passcode service ({variant}) on http://{host}:{server.server_address[1]}  POST /check", file=sys.stderr)

@@ -26,6 +26,8 @@ def test_explore_exits_1_on_a_losing_schedule_and_0_when_it_holds(tmp_path: Path
     ["race", "explore", "nocolon"],
     ["race", "stress", "--threads", "two"],
     ["race", "stress", "--variant", "nope"],
+    ["race", "stress", "--threads", "2,,4"],  # (read as 2,4)
+    ["passcode", "serve", "--window", "1e300"],  # (a 301-digit Retry-After)
 ])
 def test_bad_input_exits_2_with_one_sentence(argv: list[str], capsys) -> None:
     assert main(argv) == 2
@@ -74,3 +76,13 @@ def test_a_right_share_that_leaves_no_race_possible_is_said(capsys) -> None:
     assert main(["race", "stress", "--variant", "buggy", "--threads", "2", "--right-share", "0.1",
                  "--requests", "200"]) == 0
     assert "at 2 threads, --right-share 0.1 has every thread send the wrong passcode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("env", "argv", "says"), [
+    ("   ", [], "set ISOLAB_PASSCODE to the passcode"),  # (spaces were taken as the passcode)
+    ("s3cret", ["--host", ""], "--host is empty"),  # (it listened on every interface)
+])
+def test_a_passcode_of_spaces_and_an_empty_host_are_refused(monkeypatch, capsys, env, argv, says) -> None:
+    monkeypatch.setenv("ISOLAB_PASSCODE", env)
+    assert main(["passcode", "serve", "--port", "0", *argv]) == 2
+    assert says in capsys.readouterr().err
