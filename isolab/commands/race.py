@@ -71,13 +71,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     passcode = subparsers.add_parser("passcode", help="the seed's passcode service over HTTP")
     psub = passcode.add_subparsers(dest="passcode_command", metavar="SUBCOMMAND")
     passcode.set_defaults(func=lambda args: (passcode.print_help(), 2)[1])
-    serve = psub.add_parser("serve", help="serve POST /check with a chosen checker variant (passcode from $ISOLAB_PASSCODE)")
+    serve = psub.add_parser("serve", help="serve POST /check with a chosen checker variant (passcode from $ISOLAB_PASSCODE)",
+                            description="Serve POST /check {\"passcode\": ...} -> {\"accepted\": bool} with a checker "
+                                        "variant. The passcode comes from $ISOLAB_PASSCODE (kept only as a salted "
+                                        "scrypt digest, never logged). Replies: 200, 400 (a bad body), 404/405, "
+                                        "411/413 (no or too large a body), 429 (over --max-attempts per --window, "
+                                        "with Retry-After). docs/race.md")
     serve.add_argument("--variant", default="lock_local", help="the checker variant (default: lock_local)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8765, help="port to listen on (default: 8765)")
     serve.add_argument("--max-attempts", type=int, default=10,
                        help="attempts per client per window; 0 = no limit (default: 10)")
-    serve.add_argument("--window", type=float, default=60.0, help="rate-limit window in seconds (default: 60)")
+    serve.add_argument("--window", type=float, default=60.0,
+                       help="rate-limit window in seconds, at most a day (default: 60)")
     serve.add_argument("--scrypt-n", type=int, default=2**14, help="scrypt cost (a power of two)")
     serve.set_defaults(func=_serve)
 
