@@ -168,9 +168,6 @@ class LLM:
                                       field="params")
         if len(plist) != len(prompt_ids):
             raise InvalidRequestError("give one SamplingParams, or one per prompt", field="params")
-        if cache_scope is not None and not isinstance(cache_scope, str):  # (an int failed only once a block was hashed)
-            raise InvalidRequestError(f"cache_scope is a tenant's name (a str) or None, not {type(cache_scope).__name__}",
-                                      field="cache_scope")
         self._enter("generate" if what == "prompt" else "chat")
         try:
             if self._closed:

@@ -20,6 +20,11 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 
 
+def _choice_list(options: Any) -> bool:
+    """What a choice grammar takes: a non-empty list of non-empty strings."""
+    return isinstance(options, list) and bool(options) and all(isinstance(o, str) and o for o in options)
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match: frozen and hashable, so SamplingParams stays frozen."""
@@ -44,7 +49,7 @@ class GrammarSpec:
                 options = json.loads(self.source)
             except (ValueError, RecursionError):
                 options = None
-            if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+            if not _choice_list(options):
                 raise InvalidRequestError(f"{self.field}: a choice grammar's source is a JSON list of non-empty "
                                           "strings (GrammarSpec.choice builds it)", field=self.field)
 
@@ -64,7 +69,7 @@ class GrammarSpec:
 
     @classmethod
     def choice(cls, options: Any, field: str = "guided_choice") -> GrammarSpec:
-        if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+        if not _choice_list(options):
             raise InvalidRequestError(f"{field} must be a non-empty list of non-empty strings", field=field)
         return cls("choice", json.dumps(options), field)
 

@@ -159,6 +159,9 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
+        if cache_scope is not None and not isinstance(cache_scope, str):  # (an int failed only once a block was hashed)
+            raise InvalidRequestError(f"cache_scope is a tenant's name (a str) or None, not {type(cache_scope).__name__}",
+                                      field="cache_scope")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token", field="prompt")
         vocab = self.bundle.hparams.vocab_size
