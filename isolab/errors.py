@@ -67,5 +67,10 @@ class RequestAborted(IsolabError):
     """The request was cancelled (by the caller, a disconnect, or shutdown) before it finished."""
 
 
+class ModelOutputError(IsolabError):
+    """The model computed no usable output for a request (its logits are NaN: broken weights); the
+    message is safe to show a client and names no prompt text."""
+
+
 class EngineUnavailable(IsolabError):
     """The engine serving the request stopped (a replica died); the message is safe to show a client."""

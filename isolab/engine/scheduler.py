@@ -30,7 +30,7 @@ from isolab.engine.kv_cache_manager import KVCacheManager
 from isolab.engine.request import Request, RequestStatus
 from isolab.engine.step import NOT_FINITE, ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from isolab.engine.stop import check_stop
-from isolab.errors import InvalidRequestError, IsolabError
+from isolab.errors import InvalidRequestError, ModelOutputError
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Scheduler:
                 finished.append(req)
                 continue
             if s.token_id == NOT_FINITE:  # this row's logits were NaN: the model, not the request, failed
-                req.error = IsolabError("the model's logits for this request are not numbers (NaN): its weights "
+                req.error = ModelOutputError("the model's logits for this request are not numbers (NaN): its weights "
                                         "are broken (a tensor in the model file holds NaN or infinity)")
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 finished.append(req)

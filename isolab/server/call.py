@@ -17,7 +17,7 @@ from typing import Any
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
 from isolab.engine.request import TokenLogprob
-from isolab.errors import EngineUnavailable, InvalidRequestError, RequestAborted
+from isolab.errors import EngineUnavailable, InvalidRequestError, ModelOutputError, RequestAborted
 from isolab.server.formats import ChoiceFormat, Format
 from isolab.server.metrics import ServerMetrics
 from isolab.server.protocol import Chunk, ChunkChoice, FinalChoice, Reply, Usage
@@ -138,8 +138,8 @@ class Call:
                 c.error, c.error_status = str(o.error), 503
                 c.finish_reason = "shutdown"  # (not a client's abort, in the log and the metrics)
             elif o.error is not None or o.finish_reason == "error":
-                c.error = (str(o.error) if isinstance(o.error, EngineUnavailable) or o.finish_reason != "error"
-                           else "the engine failed this request")
+                shown = isinstance(o.error, (EngineUnavailable, ModelOutputError)) or o.finish_reason != "error"
+                c.error = str(o.error) if shown else "the engine failed this request"
             self.metrics.requests_finished.labels(c.finish_reason).inc()
         if c.held:
             sent = len(c.text.sent)

@@ -11,7 +11,13 @@ import pytest
 
 from isolab.engine.detokenize import Detokenizer
 from isolab.engine.llm_engine import RequestOutput
-from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError, RequestAborted
+from isolab.errors import (
+    InvalidRequestError,
+    IsolabError,
+    ModelOutputError,
+    PromptTooLongError,
+    RequestAborted,
+)
 from isolab.server.call import Call, Choice
 from isolab.server.errors import api_error, error_body
 from isolab.server.formats import ChatFormat, CompletionFormat, Limits
@@ -66,6 +72,27 @@ def test_a_collected_reply_answers_what_ended_its_choice(tiny_bundle, error, rea
     with pytest.raises(ApiError) as caught:
         asyncio.run(collected(call, queue, Request({"type": "http"}, receive), lambda: None))
     assert (caught.value.status, caught.value.type, caught.value.code, caught.value.param) == (status, kind, code, param)
+
+
+def test_a_broken_models_nan_row_is_said_as_such(tiny_bundle):
+    """An engine bug's message stays inside (a 500 that says no more), but a model whose logits came out
+    NaN for a request is told as it is: the client learns its model file is broken, not "failed"."""
+    from starlette.requests import Request
+
+    from isolab.server.errors import ApiError
+    from isolab.server.replies import collected
+
+    tok = tiny_bundle.tokenizer
+    said = "the model's logits for this request are not numbers (NaN): its weights are broken"
+    for error, shown in ((ModelOutputError(said), said), (IsolabError(said), "the engine failed this request")):
+        call, queue = _failed_call(tok, CompletionFormat(tok, Limits(ServerConfig(), 64)), error)
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        with pytest.raises(ApiError) as caught:
+            asyncio.run(collected(call, queue, Request({"type": "http"}, receive), lambda: None))
+        assert caught.value.status == 500 and str(caught.value.body()["error"]["message"]) == shown
 
 
 def test_a_failed_choice_streams_one_error_event(tiny_bundle):
