@@ -409,15 +409,17 @@ def test_a_call_back_into_the_llm_from_on_step_is_refused_not_a_hang(tiny_bundle
     assert llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids  # still usable, not closed
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, monkeypatch, temperature):
+@pytest.mark.parametrize("temperature,top_k,nans", [(0.0, -1, "row"), (1.0, -1, "row"), (0.0, -1, "one"),
+                                                   (1.0, -1, "one"), (1.0, 2, "one")])
+def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, monkeypatch, temperature, top_k, nans):
     """Broken weights (NaN in a tensor): torch.multinomial raised for the whole batch, and a greedy row
-    took token 0 forever. The request whose row is NaN fails with a sentence; the one beside it gets
+    took token 0 forever. The request whose row is NaN (all of it, or one logit: the argmax takes a
+    NaN, as torch's does, and a softmax over it is NaN) fails with a sentence; the one beside it gets
     its solo tokens."""
     from isolab.errors import IsolabError
 
     llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
-    sp = SamplingParams(max_tokens=6, temperature=temperature, seed=3)
+    sp = SamplingParams(max_tokens=6, temperature=temperature, seed=3, top_k=top_k)
     solo = llm.generate("a b c", sp)[0]
     model = llm.engine.runner.model
     real = model.logits_raw
@@ -425,7 +427,10 @@ def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, 
     def poisoned(hidden):
         out = real(hidden).clone()
         if out.shape[0] == 2:  # the step both requests share: the first one's row only
-            out[0] = float("nan")
+            if nans == "row":
+                out[0] = float("nan")
+            else:
+                out[0, 7] = float("nan")
         return out
 
     monkeypatch.setattr(model, "logits_raw", poisoned)
