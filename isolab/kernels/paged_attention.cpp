@@ -166,78 +166,87 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
 
 // bf16, bs = 16, Dh = 64, on CPUs without AVX512-BF16: attend_row's arithmetic (fp32 products and
 // sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
-// layouts, 16 lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
+// layouts, 8 lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
 // key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
+// Eight lanes: one ymm register on AVX2, so every accumulator below stays in a register (with 16
+// lanes, G x 4 accumulators of the P.V pass and the V pairs took 40 ymm registers of AVX2's 16 and
+// spilled on every key: a 32-row step's attention ran 5x slower than its arithmetic).
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+static inline void bf16_pairs8(const uint16_t* p, v8f& lo, v8f& hi) {  // 8 pairs -> their low and high halves
+    v8u u;
+    std::memcpy(&u, p, 32);
+    const v8u u0 = u << 16, u1 = u & 0xffff0000u;
+    std::memcpy(&lo, &u0, 32);
+    std::memcpy(&hi, &u1, 32);
+}
+
 template <int G>
 static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const uint16_t* vplane, const int32_t* table,
                              int L, long NB, int h, float scale, uint16_t* out, float* sc, int Lpad) {
     constexpr int BS = 16, DH = 64;
     const int nblk = (L + BS - 1) / BS;
-    const v16u hi = v16u{} + 0xffff0000u;
     float qf[G][DH];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
+    // scores, a block's 16 keys (two slices of 8) at a time: per key, dimensions in ascending order.
+    // 2G accumulators, so the chains of adds (two a pair of dimensions) overlap.
     for (int i = 0; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        v16f acc[G];
-        for (int g = 0; g < G; g++) acc[g] = v16f{};
+        v8f acc[G][2];
+        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = v8f{};
         for (int p = 0; p < DH / 2; p++) {
-            v16u u;
-            std::memcpy(&u, kb + p * BS * 2, 64);
-            v16f k0, k1;
-            const v16u u0 = u << 16, u1 = u & hi;
-            std::memcpy(&k0, &u0, 64);
-            std::memcpy(&k1, &u1, 64);
+            v8f k0[2], k1[2];
+            bf16_pairs8(kb + p * BS * 2, k0[0], k1[0]);
+            bf16_pairs8(kb + p * BS * 2 + 16, k0[1], k1[1]);
             for (int g = 0; g < G; g++) {
-                acc[g] += qf[g][2 * p] * k0;
-                acc[g] += qf[g][2 * p + 1] * k1;
+                const float a = qf[g][2 * p], b = qf[g][2 * p + 1];
+                for (int x = 0; x < 2; x++) {
+                    acc[g][x] += a * k0[x];
+                    acc[g][x] += b * k1[x];
+                }
             }
         }
-        for (int g = 0; g < G; g++) {
-            v16f sv = acc[g] * scale;
-            std::memcpy(sc + (long)g * Lpad + (long)i * BS, &sv, 64);
-        }
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < 2; x++) {
+                v8f sv = acc[g][x] * scale;
+                std::memcpy(sc + (long)g * Lpad + (long)i * BS + x * 8, &sv, 32);
+            }
     }
     float sum[G];
     for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
-    v16f o[G][4];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) o[g][c] = v16f{};
+    // P.V, 16 dimensions (two slices of 8) at a time: per dimension, keys in ascending order
     const int even = L & ~1;
-    for (int k = 0; k < even; k += 2) {
-        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
-        v16f v0[4], v1[4];
-        for (int c = 0; c < 4; c++) {
-            v16u u;
-            std::memcpy(&u, vb + c * 32, 64);
-            const v16u u0 = u << 16, u1 = u & hi;
-            std::memcpy(&v0[c], &u0, 64);
-            std::memcpy(&v1[c], &u1, 64);
-        }
-        for (int g = 0; g < G; g++) {
-            const float p0 = sc[(long)g * Lpad + k], p1 = sc[(long)g * Lpad + k + 1];
-            for (int c = 0; c < 4; c++) {
-                o[g][c] += p0 * v0[c];
-                o[g][c] += p1 * v1[c];
+    for (int c = 0; c < DH; c += 16) {
+        v8f o[G][2];
+        for (int g = 0; g < G; g++) o[g][0] = o[g][1] = v8f{};
+        for (int k = 0; k < even; k += 2) {
+            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
+            v8f v0[2], v1[2];
+            bf16_pairs8(vb + 2 * c, v0[0], v1[0]);
+            bf16_pairs8(vb + 2 * c + 16, v0[1], v1[1]);
+            for (int g = 0; g < G; g++) {
+                const float p0 = sc[(long)g * Lpad + k], p1 = sc[(long)g * Lpad + k + 1];
+                for (int x = 0; x < 2; x++) {
+                    o[g][x] += p0 * v0[x];
+                    o[g][x] += p1 * v1[x];
+                }
             }
         }
-    }
-    if (L & 1) {  // the odd last key: the low half of its pair
-        const int k = L - 1;
-        const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
-        for (int c = 0; c < 4; c++) {
-            v16u u;
-            std::memcpy(&u, vb + c * 32, 64);
-            const v16u u0 = u << 16;
-            v16f v0;
-            std::memcpy(&v0, &u0, 64);
-            for (int g = 0; g < G; g++) o[g][c] += sc[(long)g * Lpad + k] * v0;
+        if (L & 1) {  // the odd last key: the low half of its pair
+            const int k = L - 1;
+            const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
+            v8f v0[2], v1[2];
+            bf16_pairs8(vb + 2 * c, v0[0], v1[0]);
+            bf16_pairs8(vb + 2 * c + 16, v0[1], v1[1]);
+            for (int g = 0; g < G; g++)
+                for (int x = 0; x < 2; x++) o[g][x] += sc[(long)g * Lpad + k] * v0[x];
         }
-    }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.0f / sum[g];
-        for (int c = 0; c < 4; c++)
-            for (int l = 0; l < 16; l++) store(out, (long)g * DH + c * 16 + l, o[g][c][l] * inv);
+        for (int g = 0; g < G; g++) {
+            const float inv = 1.0f / sum[g];
+            for (int x = 0; x < 2; x++)
+                for (int l = 0; l < 8; l++) store(out, (long)g * DH + c + 8 * x + l, o[g][x][l] * inv);
+        }
     }
 }
 

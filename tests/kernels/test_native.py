@@ -89,6 +89,30 @@ def test_a_row_gets_the_same_bits_alone_in_a_batch_or_in_a_chunk(dname):
         assert torch.equal(one, chunk[t : t + 1])
 
 
+@pytest.mark.parametrize("dname", DTYPES)
+@pytest.mark.parametrize("heads,hkv", [(9, 3), (4, 2), (2, 2), (8, 2)])
+def test_the_fast_paths_give_the_generic_loops_bits(dname, heads, hkv):
+    """Head size 64 in blocks of 16 takes a fast path (per ISA level: fp32 arithmetic over the paired
+    bf16 layout in 8-lane slices without AVX512-BF16, dot products with it; fp32's own), which must
+    give the bits of the loop every other shape takes (attend_row) where it claims to (AVX2, fp32):
+    odd and even lengths, several blocks, G of 1 to 4. On AVX512-BF16 the dot products round their
+    own way, so there the two are only close."""
+    dtype, tol = DTYPES[dname]
+    q, kv, tables, pos = _case(dtype, heads, hkv, 64, 16, rows=9, nb=9, seed=heads)
+    pos[:3] = torch.tensor([0, 16, 143], dtype=torch.int32)
+    rows = torch.arange(q.shape[0], dtype=torch.int32)
+    fast = kernels.paged_attention(q, kv, tables, rows, pos, 0.125)
+    kernels.attention_fast_paths(False)
+    try:
+        generic = kernels.paged_attention(q, kv, tables, rows, pos, 0.125)
+    finally:
+        kernels.attention_fast_paths(True)
+    if dtype == torch.bfloat16 and kernels.attention_isa() != "fma":
+        assert (fast.float() - generic.float()).abs().max().item() < tol
+    else:
+        assert torch.equal(fast, generic)
+
+
 @pytest.mark.parametrize("heads,hkv", [(9, 3), (4, 2), (2, 2)])
 def test_a_prompt_chunks_rows_taken_four_at_a_time_keep_each_rows_bits(heads, hkv):
     """bf16 rows of one table at consecutive positions run four at a time in one pass over their keys
