@@ -60,7 +60,7 @@ static inline float softmax_row(float* s, int L, int Lpad) {
     v16f mv = load16(s);
     for (int k = 16; k < Lpad; k += 16) {
         const v16f x = load16(s + k);
-        mv = (x > mv || x != x) ? x : mv;  // NaN wins
+        mv = vmax_nan(x, mv);  // NaN wins
     }
     float m = mv[0];
     for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
@@ -141,8 +141,8 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
             std::memcpy(sc + (long)g * Lpad + (long)i * BS, &sv, 64);
         }
     }
-    float sum[G];
-    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
+    float sum[G];  // the row's own keys padded to whole blocks, not the step's longest row (no bit changes)
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, nblk * BS);
     v16f o[G][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) o[g][c] = v16f{};
@@ -171,8 +171,6 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
 // Eight lanes: one ymm register on AVX2, so every accumulator below stays in a register (with 16
 // lanes, G x 4 accumulators of the P.V pass and the V pairs took 40 ymm registers of AVX2's 16 and
 // spilled on every key: a 32-row step's attention ran 5x slower than its arithmetic).
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline void bf16_pairs8(const uint16_t* p, v8f& lo, v8f& hi) {  // 8 pairs -> their low and high halves
     v8u u;
     std::memcpy(&u, p, 32);
@@ -213,8 +211,8 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
                 std::memcpy(sc + (long)g * Lpad + (long)i * BS + x * 8, &sv, 32);
             }
     }
-    float sum[G];
-    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, Lpad);
+    float sum[G];  // the row's own keys padded to whole blocks, not the step's longest row (no bit changes)
+    for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, nblk * BS);
     // P.V, 16 dimensions (two slices of 8) at a time: per dimension, keys in ascending order
     const int even = L & ~1;
     for (int c = 0; c < DH; c += 16) {
