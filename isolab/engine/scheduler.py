@@ -128,8 +128,8 @@ class Scheduler:
                 finished.append(req)
                 continue
             if s.token_id == NOT_FINITE:  # this row's logits were NaN: the model, not the request, failed
-                req.error = ModelOutputError("the model's logits for this request are not numbers (NaN): its weights "
-                                        "are broken (a tensor in the model file holds NaN or infinity)")
+                req.error = ModelOutputError("the model's logits for this request are not numbers (NaN): its "
+                                             "weights are broken (a tensor in the model file holds NaN or infinity)")
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 finished.append(req)
                 continue

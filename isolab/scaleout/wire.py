@@ -11,7 +11,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from isolab.engine.llm_engine import RequestOutput
-from isolab.errors import InvalidRequestError, IsolabError, PromptTooLongError, RequestAborted
+from isolab.errors import (
+    InvalidRequestError,
+    IsolabError,
+    ModelOutputError,
+    PromptTooLongError,
+    RequestAborted,
+)
 from isolab.models.invariance import InvarianceReport
 
 
@@ -56,9 +62,12 @@ class Refused:
 def to_wire(out: RequestOutput) -> RequestOutput:
     """The output with its error (if any) reduced to the base class and its message; a request's own
     fault (InvalidRequestError: a grammar no token continues) keeps its class and field, so the
-    ingress answers it as one engine does (a 400 naming the field)."""
+    ingress answers it as one engine does (a 400 naming the field), and a ModelOutputError its class
+    (its message is shown to the client)."""
     if out.error is None or type(out.error) is IsolabError:
         return out
     if isinstance(out.error, InvalidRequestError):
         return dataclasses.replace(out, error=Refused.of(out.error).error())
+    if isinstance(out.error, ModelOutputError):  # a broken model's NaN row: said to the client as it is
+        return dataclasses.replace(out, error=ModelOutputError(str(out.error)))
     return dataclasses.replace(out, error=IsolabError(str(out.error)))

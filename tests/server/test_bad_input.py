@@ -95,11 +95,14 @@ def test_names_inside_messages_are_reported_as_ignored(srv):
 
 def test_a_replicas_grammar_error_crosses_to_the_ingress_as_a_400():
     """With --replicas, outputs cross a process boundary (scaleout/wire.py): the request's own fault
-    keeps its class and field, so the ingress answers a 400 as one engine does, not a 500."""
+    keeps its class and field, so the ingress answers a 400 as one engine does, not a 500; a broken
+    model's NaN row keeps its class (its sentence reaches the client); anything else is a bare
+    IsolabError (the ingress says only that the engine failed)."""
+    import dataclasses
     import pickle
 
     from isolab.engine.llm_engine import RequestOutput
-    from isolab.errors import InvalidRequestError
+    from isolab.errors import InvalidRequestError, IsolabError, ModelOutputError
     from isolab.scaleout.wire import to_wire
 
     out = RequestOutput("r", new_token_ids=(), new_logprobs=(), output_token_ids=(), finished=True,
@@ -107,6 +110,11 @@ def test_a_replicas_grammar_error_crosses_to_the_ingress_as_a_400():
                         error=InvalidRequestError("no token continues", field="guided_json"))
     back = pickle.loads(pickle.dumps(to_wire(out)))
     assert type(back.error) is InvalidRequestError and back.error.field == "guided_json"
+    nan = dataclasses.replace(out, error=ModelOutputError("the model's logits for this request are not numbers"))
+    back = pickle.loads(pickle.dumps(to_wire(nan)))
+    assert type(back.error) is ModelOutputError and str(back.error) == str(nan.error)
+    back = pickle.loads(pickle.dumps(to_wire(dataclasses.replace(out, error=RuntimeError("internal")))))
+    assert type(back.error) is IsolabError
 
 
 def test_head_health(srv):
