@@ -118,6 +118,27 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
     }
 }
 
+// The fast paths' vectors: 16 lanes where AVX-512 gives 32 registers, 8 lanes elsewhere (AVX2 has 16
+// registers of 8: with 16-lane vectors the P.V pass's G x 4 accumulators and the V rows took 40 of
+// them and spilled on every key, and a 32-row step's attention ran 5x its arithmetic). The lane
+// count changes which lanes go together, never a lane's operations, so both give the same bits.
+#if defined(__AVX512F__)
+typedef v16f vlf;
+typedef v16u vlu;
+#else
+typedef v8f vlf;
+typedef v8u vlu;
+#endif
+constexpr int VW = sizeof(vlf) / 4;      // lanes
+constexpr int VK = 16 / VW;              // vectors a 16-key block's scores take
+constexpr int VD = VW == 16 ? 4 : 2;     // vectors of dimensions a P.V pass holds for each head
+static inline vlf loadv(const float* p) {
+    vlf x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline void storev(float* p, vlf x) { std::memcpy(p, &x, sizeof x); }
+
 // The same arithmetic as attend_row for bs = 16 and Dh = 64, with the G query heads of one KV head
 // sharing each K/V load and every accumulator in a register. Same order of operations per lane.
 template <typename T, int G>
@@ -130,53 +151,51 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
         for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
     for (int i = 0; i < nblk; i++) {
         const T* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        v16f acc[G];
-        for (int g = 0; g < G; g++) acc[g] = v16f{} ;
+        vlf acc[G][VK];
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VK; x++) acc[g][x] = vlf{};
         for (int d = 0; d < DH; d++) {
-            const v16f k = load16(kb + d * BS);
-            for (int g = 0; g < G; g++) acc[g] += qf[g][d] * k;
+            vlf k[VK];
+            for (int x = 0; x < VK; x++) k[x] = loadv(kb + d * BS + x * VW);
+            for (int g = 0; g < G; g++)
+                for (int x = 0; x < VK; x++) acc[g][x] += qf[g][d] * k[x];
         }
-        for (int g = 0; g < G; g++) {
-            v16f sv = acc[g] * scale;
-            std::memcpy(sc + (long)g * Lpad + (long)i * BS, &sv, 64);
-        }
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VK; x++) storev(sc + (long)g * Lpad + (long)i * BS + x * VW, acc[g][x] * scale);
     }
     float sum[G];  // the row's own keys padded to whole blocks, not the step's longest row (no bit changes)
     for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, nblk * BS);
-    v16f o[G][4];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) o[g][c] = v16f{};
-    for (int k = 0; k < L; k++) {
-        const T* vr = vplane + (((long)h * NB + table[k / BS]) * BS + (k % BS)) * DH;
-        const v16f v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
-        for (int g = 0; g < G; g++) {
-            const float p = sc[(long)g * Lpad + k];
-            o[g][0] += p * v0;
-            o[g][1] += p * v1;
-            o[g][2] += p * v2;
-            o[g][3] += p * v3;
+    for (int c = 0; c < DH; c += VD * VW) {  // P.V, VD x VW dimensions a pass over the keys
+        vlf o[G][VD];
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VD; x++) o[g][x] = vlf{};
+        for (int k = 0; k < L; k++) {
+            const T* vr = vplane + (((long)h * NB + table[k / BS]) * BS + (k % BS)) * DH + c;
+            vlf v[VD];
+            for (int x = 0; x < VD; x++) v[x] = loadv(vr + x * VW);
+            for (int g = 0; g < G; g++) {
+                const float p = sc[(long)g * Lpad + k];
+                for (int x = 0; x < VD; x++) o[g][x] += p * v[x];
+            }
         }
-    }
-    for (int g = 0; g < G; g++) {
-        const float inv = 1.0f / sum[g];
-        for (int c = 0; c < 4; c++)
-            for (int l = 0; l < 16; l++) store(out, (long)g * DH + c * 16 + l, o[g][c][l] * inv);
+        for (int g = 0; g < G; g++) {
+            const float inv = 1.0f / sum[g];
+            for (int x = 0; x < VD; x++)
+                for (int l = 0; l < VW; l++) store(out, (long)g * DH + c + x * VW + l, o[g][x][l] * inv);
+        }
     }
 }
 
 // bf16, bs = 16, Dh = 64, on CPUs without AVX512-BF16: attend_row's arithmetic (fp32 products and
 // sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
-// layouts, 8 lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
+// layouts, VW lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
 // key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
-// Eight lanes: one ymm register on AVX2, so every accumulator below stays in a register (with 16
-// lanes, G x 4 accumulators of the P.V pass and the V pairs took 40 ymm registers of AVX2's 16 and
-// spilled on every key: a 32-row step's attention ran 5x slower than its arithmetic).
-static inline void bf16_pairs8(const uint16_t* p, v8f& lo, v8f& hi) {  // 8 pairs -> their low and high halves
-    v8u u;
-    std::memcpy(&u, p, 32);
-    const v8u u0 = u << 16, u1 = u & 0xffff0000u;
-    std::memcpy(&lo, &u0, 32);
-    std::memcpy(&hi, &u1, 32);
+static inline void bf16_pairs(const uint16_t* p, vlf& lo, vlf& hi) {  // VW pairs -> their low and high halves
+    vlu u;
+    std::memcpy(&u, p, sizeof u);
+    const vlu u0 = u << 16, u1 = u & 0xffff0000u;
+    std::memcpy(&lo, &u0, sizeof lo);
+    std::memcpy(&hi, &u1, sizeof hi);
 }
 
 template <int G>
@@ -187,45 +206,41 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
     float qf[G][DH];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
-    // scores, a block's 16 keys (two slices of 8) at a time: per key, dimensions in ascending order.
-    // 2G accumulators, so the chains of adds (two a pair of dimensions) overlap.
+    // scores, a block's 16 keys at a time: per key, dimensions in ascending order
     for (int i = 0; i < nblk; i++) {
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
-        v8f acc[G][2];
-        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = v8f{};
+        vlf acc[G][VK];
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VK; x++) acc[g][x] = vlf{};
         for (int p = 0; p < DH / 2; p++) {
-            v8f k0[2], k1[2];
-            bf16_pairs8(kb + p * BS * 2, k0[0], k1[0]);
-            bf16_pairs8(kb + p * BS * 2 + 16, k0[1], k1[1]);
+            vlf k0[VK], k1[VK];
+            for (int x = 0; x < VK; x++) bf16_pairs(kb + p * BS * 2 + x * 2 * VW, k0[x], k1[x]);
             for (int g = 0; g < G; g++) {
                 const float a = qf[g][2 * p], b = qf[g][2 * p + 1];
-                for (int x = 0; x < 2; x++) {
+                for (int x = 0; x < VK; x++) {
                     acc[g][x] += a * k0[x];
                     acc[g][x] += b * k1[x];
                 }
             }
         }
         for (int g = 0; g < G; g++)
-            for (int x = 0; x < 2; x++) {
-                v8f sv = acc[g][x] * scale;
-                std::memcpy(sc + (long)g * Lpad + (long)i * BS + x * 8, &sv, 32);
-            }
+            for (int x = 0; x < VK; x++) storev(sc + (long)g * Lpad + (long)i * BS + x * VW, acc[g][x] * scale);
     }
     float sum[G];  // the row's own keys padded to whole blocks, not the step's longest row (no bit changes)
     for (int g = 0; g < G; g++) sum[g] = softmax_row(sc + (long)g * Lpad, L, nblk * BS);
-    // P.V, 16 dimensions (two slices of 8) at a time: per dimension, keys in ascending order
+    // P.V, VD x VW dimensions a pass over the keys: per dimension, keys in ascending order
     const int even = L & ~1;
-    for (int c = 0; c < DH; c += 16) {
-        v8f o[G][2];
-        for (int g = 0; g < G; g++) o[g][0] = o[g][1] = v8f{};
+    for (int c = 0; c < DH; c += VD * VW) {
+        vlf o[G][VD];
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VD; x++) o[g][x] = vlf{};
         for (int k = 0; k < even; k += 2) {
             const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
-            v8f v0[2], v1[2];
-            bf16_pairs8(vb + 2 * c, v0[0], v1[0]);
-            bf16_pairs8(vb + 2 * c + 16, v0[1], v1[1]);
+            vlf v0[VD], v1[VD];
+            for (int x = 0; x < VD; x++) bf16_pairs(vb + 2 * (c + x * VW), v0[x], v1[x]);
             for (int g = 0; g < G; g++) {
                 const float p0 = sc[(long)g * Lpad + k], p1 = sc[(long)g * Lpad + k + 1];
-                for (int x = 0; x < 2; x++) {
+                for (int x = 0; x < VD; x++) {
                     o[g][x] += p0 * v0[x];
                     o[g][x] += p1 * v1[x];
                 }
@@ -234,16 +249,15 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
         if (L & 1) {  // the odd last key: the low half of its pair
             const int k = L - 1;
             const uint16_t* vb = vplane + ((long)h * NB + table[k / BS]) * BS * DH + (long)((k % BS) >> 1) * DH * 2;
-            v8f v0[2], v1[2];
-            bf16_pairs8(vb + 2 * c, v0[0], v1[0]);
-            bf16_pairs8(vb + 2 * c + 16, v0[1], v1[1]);
+            vlf v0[VD], v1[VD];
+            for (int x = 0; x < VD; x++) bf16_pairs(vb + 2 * (c + x * VW), v0[x], v1[x]);
             for (int g = 0; g < G; g++)
-                for (int x = 0; x < 2; x++) o[g][x] += sc[(long)g * Lpad + k] * v0[x];
+                for (int x = 0; x < VD; x++) o[g][x] += sc[(long)g * Lpad + k] * v0[x];
         }
         for (int g = 0; g < G; g++) {
             const float inv = 1.0f / sum[g];
-            for (int x = 0; x < 2; x++)
-                for (int l = 0; l < 8; l++) store(out, (long)g * DH + c + 8 * x + l, o[g][x][l] * inv);
+            for (int x = 0; x < VD; x++)
+                for (int l = 0; l < VW; l++) store(out, (long)g * DH + c + x * VW + l, o[g][x][l] * inv);
         }
     }
 }
@@ -982,8 +996,13 @@ static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane
     }
     float inv[G];
     for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(sc + (long)g * Lpad, L, Lpad);
-    // P.V in chunks of CH vectors of 16 dimensions: G * CH accumulators in registers
+    // P.V in chunks of CH vectors of 16 dimensions: G * CH accumulators in registers (AVX2's 16
+    // registers of 8 lanes hold one vector of 16 a head beside the V pairs; no chunking changes a bit)
+#if defined(__AVX512F__)
     constexpr int C = G <= 3 ? 4 : G <= 6 ? 2 : 1;
+#else
+    constexpr int C = 1;
+#endif
     constexpr int CH = DH_ && (DH_ / 16) % C == 0 ? C : 1;
     for (int c0 = 0; c0 < DH / 16; c0 += CH) {
         v16f o[G][CH];
