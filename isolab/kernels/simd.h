@@ -51,28 +51,45 @@ static inline v16f load16(const uint16_t* p) {
     std::memcpy(&x, &u, 64);
     return x;
 }
-#define BF16_BITS_BODY(U)                                                    \
-    const U nan = (u & 0x7fffffffu) > 0x7f800000u;                           \
-    const U r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;                      \
+// Where AVX2 is the widest ISA, GCC turns a 16-lane select (`a < b ? c : d`) into 16 scalar compares
+// and stores, which made the softmax, SiLU and bf16 stores cost several times their arithmetic. There
+// the helpers below run a 16-lane vector as two halves of 8 lanes: the same operations lane by lane,
+// so the same bits (tests/models/test_batch_invariance.py compares the builds of every level).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ISOLAB_SPLIT_SELECTS 1
+#else
+#define ISOLAB_SPLIT_SELECTS 0
+#endif
+// f(x half, y half) for each 8-lane half of two 16-lane vectors (H: the half's type), joined
+template <typename H, typename V, typename F>
+static inline V by_halves(V x, V y, F f) {
+    H x0, x1, y0, y1;
+    std::memcpy(&x0, &x, 32);
+    std::memcpy(&x1, (const char*)&x + 32, 32);
+    std::memcpy(&y0, &y, 32);
+    std::memcpy(&y1, (const char*)&y + 32, 32);
+    x0 = f(x0, y0);
+    x1 = f(x1, y1);
+    std::memcpy(&x, &x0, 32);
+    std::memcpy((char*)&x + 32, &x1, 32);
+    return x;
+}
+template <typename H, typename V, typename F>
+static inline V by_halves(V x, F f) {
+    return by_halves<H>(x, x, [&](H a, H) { return f(a); });
+}
+template <typename U>
+static inline U bf16_bits_lanes(U u) {  // bf16_bits of each lane's fp32 bits
+    const U nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const U r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return nan ? ((u >> 16) | 0x40u) : r;
-static inline v8u bf16_bits8(v8u u) { BF16_BITS_BODY(v8u) }
+}
 static inline v16u bf16_bits16(v16f x) {  // bf16_bits, lane by lane
     v16u u;
     std::memcpy(&u, &x, 64);
-#if defined(__AVX2__) && !defined(__AVX512F__)  // two halves of 8 lanes (see vexp below)
-    v8u lo, hi;
-    std::memcpy(&lo, &u, 32);
-    std::memcpy(&hi, (const char*)&u + 32, 32);
-    lo = bf16_bits8(lo);
-    hi = bf16_bits8(hi);
-    std::memcpy(&u, &lo, 32);
-    std::memcpy((char*)&u + 32, &hi, 32);
-    return u;
-#else
-    BF16_BITS_BODY(v16u)
-#endif
+    if constexpr (ISOLAB_SPLIT_SELECTS) return by_halves<v8u>(u, bf16_bits_lanes<v8u>);
+    return bf16_bits_lanes(u);
 }
-#undef BF16_BITS_BODY
 static inline v16f round16(float, v16f x) { return x; }
 static inline v16f round16(uint16_t, v16f x) {
     v16u u = bf16_bits16(x) << 16;
@@ -87,56 +104,35 @@ static inline void store16(uint16_t* p, v16f x) {
 
 // exp(x), 16 lanes, x clamped to [-87, 88]: 2^(x log2 e), split into an integer power and a
 // degree-6 minimax polynomial on [-0.5, 0.5] (relative error about 1e-7).
-// VEXP_BODY: the same IEEE operations on any lane count (V: the float vector, I: its int32 twin).
-#define VEXP_BODY(V, I)                                                      \
-    x = x < -87.0f ? V{} - 87.0f : x;                                        \
-    x = x > 88.0f ? V{} + 88.0f : x;                                         \
-    V t = x * 1.44269504088896341f;                                          \
-    V n = (t + 12582912.0f) - 12582912.0f; /* round to nearest integer */    \
-    V f = t - n;                                                             \
-    V p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;                 \
-    p = p * f + 9.618437357674640e-3f;                                       \
-    p = p * f + 5.550332471162809e-2f;                                       \
-    p = p * f + 2.402264791363012e-1f;                                       \
-    p = p * f + 6.931472028550421e-1f;                                       \
-    p = p * f + 1.0f;                                                        \
-    I e = (__builtin_convertvector(n, I) + 127) << 23;                       \
-    V s;                                                                     \
-    std::memcpy(&s, &e, sizeof s);                                           \
+template <typename V, typename I>  // V: a float vector, I: its int32 twin
+static inline V vexp_lanes(V x) {
+    x = x < -87.0f ? V{} - 87.0f : x;
+    x = x > 88.0f ? V{} + 88.0f : x;
+    V t = x * 1.44269504088896341f;
+    V n = (t + 12582912.0f) - 12582912.0f;  // round to nearest integer
+    V f = t - n;
+    V p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    I e = (__builtin_convertvector(n, I) + 127) << 23;
+    V s;
+    std::memcpy(&s, &e, sizeof s);
     return p * s;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2 has 8 float lanes: GCC turns a 16-lane select (`a < b ? c : d`) into 16 scalar compares and
-// stores there, which made the softmax and SiLU cost several times their arithmetic. Two halves of
-// 8 lanes run the same operations lane by lane, so the same bits.
-static inline v8f vexp8(v8f x) { VEXP_BODY(v8f, v8i) }
-static inline v16f vexp(v16f x) {
-    v8f lo, hi;
-    std::memcpy(&lo, &x, 32);
-    std::memcpy(&hi, (const char*)&x + 32, 32);
-    lo = vexp8(lo);
-    hi = vexp8(hi);
-    std::memcpy(&x, &lo, 32);
-    std::memcpy((char*)&x + 32, &hi, 32);
-    return x;
 }
+static inline v16f vexp(v16f x) {
+    if constexpr (ISOLAB_SPLIT_SELECTS) return by_halves<v8f>(x, vexp_lanes<v8f, v8i>);
+    return vexp_lanes<v16f, v16i>(x);
+}
+template <typename V>
+static inline V max_nan_lanes(V x, V m) { return (x > m || x != x) ? x : m; }
 // lane by lane: x where x > m or x is NaN, else m (a maximum in which NaN wins)
 static inline v16f vmax_nan(v16f x, v16f m) {
-    v8f x0, x1, m0, m1;
-    std::memcpy(&x0, &x, 32);
-    std::memcpy(&x1, (const char*)&x + 32, 32);
-    std::memcpy(&m0, &m, 32);
-    std::memcpy(&m1, (const char*)&m + 32, 32);
-    x0 = (x0 > m0 || x0 != x0) ? x0 : m0;
-    x1 = (x1 > m1 || x1 != x1) ? x1 : m1;
-    std::memcpy(&x, &x0, 32);
-    std::memcpy((char*)&x + 32, &x1, 32);
-    return x;
+    if constexpr (ISOLAB_SPLIT_SELECTS) return by_halves<v8f>(x, m, max_nan_lanes<v8f>);
+    return max_nan_lanes(x, m);
 }
-#else
-static inline v16f vexp(v16f x) { VEXP_BODY(v16f, v16i) }
-static inline v16f vmax_nan(v16f x, v16f m) { return (x > m || x != x) ? x : m; }
-#endif
-#undef VEXP_BODY
 
 // Whether this process may use AMX tiles: Linux hands the tile state to a process only on request
 // (arch_prctl, Linux 5.16+). False in a build without AMX. One answer per kernel file, cached.
