@@ -65,6 +65,22 @@ const char* QISA = "avx2";
 const char* QISA = "generic";
 #endif
 
+// The vectors of a panel's 16 columns in the kernel's sums. Where AVX2 is the widest ISA, GCC kept a
+// 16-lane accumulator in memory between operations (two 16-byte stores read back by one 32-byte load,
+// which the core cannot forward: run_panel_tile<U4, 1, 1>'s assembly), so a block of one row took ~110
+// cycles; there the sums run as QL = 2 slices of 8 lanes, the same operations lane by lane (the same
+// bits). s[(r * NP + p) * QL + h]: row r, panel p, columns 8h..8h+7 (QL == 2) or all 16.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef v8f qf;
+typedef v8i qi;
+#define ISOLAB_QL 2
+#else
+typedef v16f qf;
+typedef v16i qi;
+#define ISOLAB_QL 1
+#endif
+constexpr int QL = ISOLAB_QL;
+
 // One quantized block of one row of A.
 struct QA {
     int8_t q[QK];
@@ -94,6 +110,31 @@ static inline v16f load_scales(const uint8_t* p, bool fp16) {
         std::memcpy(&r, p, 64);
     }
     return r;
+}
+
+// Lanes 16h/QL.. of a record's 16 scales (fp16 or fp32), as load_scales gives them.
+static inline qf load_scales_part(const uint8_t* p, bool fp16, int h) {
+#if ISOLAB_QL == 1
+    (void)h;
+    return load_scales(p, fp16);
+#else
+    qf r;
+#if defined(__F16C__)
+    if (fp16) {
+        const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+        std::memcpy(&r, &v, 32);
+        return r;
+    }
+#endif
+    if (fp16) {
+        uint16_t x[8];
+        std::memcpy(x, p + 16 * h, 16);
+        for (int j = 0; j < 8; j++) r[j] = half_to_float(x[j]);
+    } else {
+        std::memcpy(&r, p + 32 * h, 32);
+    }
+    return r;
+#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -163,7 +204,7 @@ static inline int32_t load4(const int8_t* p) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 template <int R>
-static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, qi* s) {
     __m512i acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
     const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -180,7 +221,7 @@ static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
 }
 // s8 weights are stored + 128: dpbusd gives sum (q + 128) a = isum + 128 sa
 template <int R, int G>
-static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, qi* s0, qi* s1) {
     __m512i acc0[R], acc1[R];
     for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; c++) {
@@ -206,7 +247,7 @@ static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i
 }
 #elif defined(__AVX2__)
 template <int R>
-static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, qi* s) {
     __m256i acc[R][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
@@ -221,10 +262,10 @@ static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
                 acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_add_epi16(p, q), ones));
             }
         }
-    for (int r = 0; r < R; r++) std::memcpy(&s[r], acc[r], 64);
+    for (int r = 0; r < R; r++) std::memcpy(&s[r * QL], acc[r], 64);
 }
 template <int R, int G>
-static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, qi* s0, qi* s1) {
     __m256i acc0[R][2], acc1[R][2];
     for (int r = 0; r < R; r++) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_si256();
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
@@ -242,13 +283,13 @@ static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i
             }
         }
     for (int r = 0; r < R; r++) {
-        std::memcpy(&s0[r], acc0[r], 64);
-        if (G == 16) std::memcpy(&s1[r], acc1[r], 64);
+        std::memcpy(&s0[r * QL], acc0[r], 64);
+        if (G == 16) std::memcpy(&s1[r * QL], acc1[r], 64);
     }
 }
 #else
 template <int R>
-static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
+static inline void dot_u4_1(const uint8_t* w, const QA* const* a, qi* s) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 16; j++) {
             int32_t acc = 0;
@@ -261,7 +302,7 @@ static inline void dot_u4_1(const uint8_t* w, const QA* const* a, v16i* s) {
         }
 }
 template <int R, int G>
-static inline void dot_s8_1(const uint8_t* w, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8_1(const uint8_t* w, const QA* const* a, qi* s0, qi* s1) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 16; j++) {
             int32_t acc0 = 0, acc1 = 0;
@@ -288,7 +329,7 @@ static inline __m512i zero_idiom() {
     return z;
 }
 template <int R, int NP>
-static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, v16i* s) {
+static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, qi* s) {
     __m512i acc[R * NP];
     for (int i = 0; i < R * NP; i++) acc[i] = zero_idiom();
     const __m512i mask = _mm512_set1_epi8(0x0f);
@@ -311,7 +352,7 @@ static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, v16i* s
     for (int i = 0; i < R * NP; i++) std::memcpy(&s[i], &acc[i], 64);
 }
 template <int R, int G, int NP>
-static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, qi* s0, qi* s1) {
     __m512i acc0[R * NP], acc1[R * NP];
     for (int i = 0; i < R * NP; i++) {
         acc0[i] = zero_idiom();
@@ -346,22 +387,24 @@ static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s
 #else
 constexpr int QNP = 1;
 template <int R, int NP>
-static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, v16i* s) {
+static inline void dot_u4(const uint8_t* w, long ps, const QA* const* a, qi* s) {
     for (int p = 0; p < NP; p++) {
-        v16i t[R];
+        qi t[R * QL];
         dot_u4_1<R>(w + p * ps, a, t);
-        for (int r = 0; r < R; r++) s[r * NP + p] = t[r];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < QL; h++) s[(r * NP + p) * QL + h] = t[r * QL + h];
     }
 }
 template <int R, int G, int NP>
-static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s0, v16i* s1) {
+static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, qi* s0, qi* s1) {
     for (int p = 0; p < NP; p++) {
-        v16i t0[R], t1[R];
+        qi t0[R * QL], t1[R * QL];
         dot_s8_1<R, G>(w + p * ps, a, t0, t1);
-        for (int r = 0; r < R; r++) {
-            s0[r * NP + p] = t0[r];
-            if (G == 16) s1[r * NP + p] = t1[r];
-        }
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < QL; h++) {
+                s0[(r * NP + p) * QL + h] = t0[r * QL + h];
+                if (G == 16) s1[(r * NP + p) * QL + h] = t1[r * QL + h];
+            }
     }
 }
 #endif
@@ -371,41 +414,46 @@ static inline void dot_s8(const uint8_t* w, long ps, const QA* const* a, v16i* s
 template <int FMT, int R, int NP>
 static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const QA* const* rows, v16f* out) {
     const long rb = record_bytes(FMT, fp16), sb = fp16 ? 32 : 64;
-    v16f acc[R * NP];  // local, so the accumulators stay in registers across the blocks
-    for (int i = 0; i < R * NP; i++) acc[i] = v16f{};
+    qf acc[R * NP * QL];  // local, so the accumulators stay in registers across the blocks
+    for (int i = 0; i < R * NP * QL; i++) acc[i] = qf{};
     for (int b = 0; b < nb; b++) {
         const uint8_t* rec = W + (long)b * rb;
         const QA* a[R];
         for (int r = 0; r < R; r++) a[r] = rows[r] + b;
-        v16i s0[R * NP], s1[R * NP];
+        qi s0[R * NP * QL], s1[R * NP * QL];
         if (FMT == U4)
             dot_u4<R, NP>(rec, ps, a, s0);
         else
             dot_s8<R, FMT == S8 ? 32 : 16, NP>(rec, ps, a, s0, s1);
-        for (int p = 0; p < NP; p++) {
-            const uint8_t* sc = rec + p * ps + (FMT == U4 ? 256 : 512);
-            if (FMT == U4) {
-                const v16f d = load_scales(sc, fp16), mn = load_scales(sc + sb, fp16);
-                for (int r = 0; r < R; r++) {
-                    v16f& x = acc[r * NP + p];
-                    x = x + (d * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
-                    x = x + mn * a[r]->xs;
-                }
-            } else if (FMT == S8) {
-                const v16f d = load_scales(sc, fp16);
-                for (int r = 0; r < R; r++)
-                    acc[r * NP + p] = acc[r * NP + p] + (d * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
-            } else {
-                const v16f d0 = load_scales(sc, fp16), d1 = load_scales(sc + sb, fp16);
-                for (int r = 0; r < R; r++) {
-                    v16f& x = acc[r * NP + p];
-                    x = x + (d0 * a[r]->d) * __builtin_convertvector(s0[r * NP + p], v16f);
-                    x = x + (d1 * a[r]->d) * __builtin_convertvector(s1[r * NP + p], v16f);
+        for (int p = 0; p < NP; p++)
+            for (int h = 0; h < QL; h++) {
+                const uint8_t* sc = rec + p * ps + (FMT == U4 ? 256 : 512);
+                if (FMT == U4) {
+                    const qf d = load_scales_part(sc, fp16, h), mn = load_scales_part(sc + sb, fp16, h);
+                    for (int r = 0; r < R; r++) {
+                        const int i = (r * NP + p) * QL + h;
+                        qf& x = acc[i];
+                        x = x + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                        x = x + mn * a[r]->xs;
+                    }
+                } else if (FMT == S8) {
+                    const qf d = load_scales_part(sc, fp16, h);
+                    for (int r = 0; r < R; r++) {
+                        const int i = (r * NP + p) * QL + h;
+                        acc[i] = acc[i] + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                    }
+                } else {
+                    const qf d0 = load_scales_part(sc, fp16, h), d1 = load_scales_part(sc + sb, fp16, h);
+                    for (int r = 0; r < R; r++) {
+                        const int i = (r * NP + p) * QL + h;
+                        qf& x = acc[i];
+                        x = x + (d0 * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                        x = x + (d1 * a[r]->d) * __builtin_convertvector(s1[i], qf);
+                    }
                 }
             }
-        }
     }
-    for (int i = 0; i < R * NP; i++) out[i] = acc[i];
+    for (int i = 0; i < R * NP; i++) std::memcpy(&out[i], &acc[i * QL], 64);
 }
 
 // rows x (NP panels) of output; cols: the columns of the last panel that exist (1..16)
