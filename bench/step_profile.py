@@ -142,8 +142,9 @@ def main() -> int:
                     help="instead of profiling: STEPS untimed steps with the quantized GEMM's big-weight task order "
                          "and prefetch off and on, switched every step (writes step_profile_qgemm_order_paired.json)")
     ap.add_argument("--paired-tiles-ab", type=int, default=0, metavar="STEPS",
-                    help="instead of profiling: STEPS untimed steps with the quantized GEMM's tiles of 4 rows and of 8 "
-                         "(the AVX-512 VNNI default), switched every step (writes step_profile_qgemm_tiles_paired.json)")
+                    help="instead of profiling: STEPS untimed steps with the quantized GEMM's tiles of 4 rows and its "
+                         "default (8 on AVX-512 VNNI, 3 on AVX2), switched every step "
+                         "(writes step_profile_qgemm_tiles_paired.json)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -158,16 +159,17 @@ def main() -> int:
     if args.paired_order_ab and (bundle.weights != "native" or not kernels.qgemm_order(True)):
         print("--paired-order-ab: the task order is the quantized GEMM's, which runs with native weights only")
         return 2
-    if args.paired_tiles_ab and (bundle.weights != "native" or kernels.qgemm_isa() != "avx512vnni"):
-        print("--paired-tiles-ab: tiles of 8 rows are the quantized GEMM's on AVX-512 VNNI, with native weights only")
+    if args.paired_tiles_ab and (bundle.weights != "native" or kernels.qgemm_default_tile_rows() in (0, 4)):
+        print("--paired-tiles-ab: compares the quantized GEMM's default tiles with tiles of 4 rows, so it needs "
+              "native weights and a build whose default is not 4 rows (AVX-512 VNNI's 8, AVX2's 3)")
         return 2
     for steps, switch, name, what in (
             (args.paired_prefetch_ab, lambda on: kernels.attention_prefetch(2 if on else 0), "prefetch",
              "attention prefetch 0 / 2"),
             (args.paired_order_ab, kernels.qgemm_order, "qgemm_order",
              "qgemm chunk by chunk / big weights by group, next panels prefetched"),
-            (args.paired_tiles_ab, lambda on: kernels.qgemm_tile_rows(8 if on else 4), "qgemm_tiles",
-             "qgemm tiles of 4 rows / of 8")):
+            (args.paired_tiles_ab, lambda on: kernels.qgemm_tile_rows(0 if on else 4), "qgemm_tiles",
+             f"qgemm tiles of 4 rows / of {kernels.qgemm_default_tile_rows()}")):
         if not steps:
             continue
         pairs = []

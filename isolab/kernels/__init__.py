@@ -206,6 +206,8 @@ def _library() -> ctypes.CDLL | None:
     lib.isolab_attention_bf16_dot.argtypes = []
     lib.isolab_attention_isa.restype = ctypes.c_char_p
     lib.isolab_attention_isa.argtypes = []
+    lib.isolab_qgemm_default_tile_rows.restype = i32
+    lib.isolab_qgemm_default_tile_rows.argtypes = []
     return lib
 
 
@@ -256,11 +258,18 @@ def qgemm_order(on: bool) -> bool:
     return _set("qgemm_order", on)
 
 
-def qgemm_tile_rows(rows: int = 8) -> bool:
-    """Rows per tile of the quantized GEMM: at most 8 on AVX-512 VNNI (the default), 4 on AVX2 and
-    plain C; 4 is the tiles before 8-row ones, for the bench's A/B (bench/qgemm.py --tiles-ab). No
+def qgemm_tile_rows(rows: int = 0) -> bool:
+    """Rows per tile of the quantized GEMM: at most 8 on AVX-512 VNNI, 4 on AVX2 and plain C; 0: the
+    build's default (qgemm_default_tile_rows). For the bench's A/B (bench/qgemm.py --tiles-ab). No
     setting changes a bit. False without the native kernels."""
     return _set("qgemm_tile_rows", rows)
+
+
+def qgemm_default_tile_rows() -> int:
+    """The quantized GEMM's rows per tile unless set: 8 on AVX-512 VNNI, 3 on AVX2 (4 rows' sums spill
+    its 16 registers), 4 in plain C; 0 without the native kernels."""
+    lib = _library()
+    return 0 if lib is None else int(lib.isolab_qgemm_default_tile_rows())
 
 
 def attention_bf16_dot() -> bool:

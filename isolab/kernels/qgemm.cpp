@@ -53,7 +53,15 @@ constexpr int QP = 16;     // columns per panel
 constexpr int QMR = QMR_MAX;
 #else
 #define QMR_MAX 4
-constexpr int QMR = QMR_MAX;  // rows per tile (AVX2's 16 ymm registers)
+constexpr int QMR = QMR_MAX;  // rows per tile at most (AVX2's 16 ymm registers)
+#endif
+// Rows per tile unless set: QMR, but 3 where AVX2 is the widest ISA: 4 rows' sums (8 integer and 8
+// float vectors) spill, and 4-row tiles ran no faster than 1-row ones on a Zen 3, 3-row tiles 18-25%
+// faster than 4 at 8 to 128 rows, Q4_1 and Q8_0 alike (hand-timed, the model's GEMMs, calls taking turns)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int QMR_DEFAULT = 3;
+#else
+constexpr int QMR_DEFAULT = QMR;
 #endif
 constexpr int QMC = 96;    // rows per cache block of the quantized A
 
@@ -502,10 +510,10 @@ inline std::atomic<int>& qgemm_order() {
     return order;
 }
 
-// Rows per tile, at most QMR (the default): 4 is the tiles before 8-row tiles, for the bench's A/B.
-// No setting changes a bit. Read once a call (relaxed).
+// Rows per tile, at most QMR; 0 (or less): QMR_DEFAULT. For the bench's A/B (4 rows were the tiles
+// before 8-row ones). No setting changes a bit. Read once a call (relaxed).
 inline std::atomic<int>& qgemm_tile_rows() {
-    static std::atomic<int> rows{QMR};
+    static std::atomic<int> rows{0};
     return rows;
 }
 
@@ -532,7 +540,7 @@ static void qgemm(const TA* A, long lda, const uint8_t* W, int fmt, bool fp16, T
     const bool by_group = order != 0 && (long)panels * panel_bytes / 2 > (long)M * nb * (long)sizeof(QA);
     const bool prefetch_next = order != 0;
     const int set_rows = qgemm_tile_rows().load(std::memory_order_relaxed);
-    int tr = set_rows >= 1 && set_rows < QMR ? set_rows : QMR;  // rows per tile
+    int tr = set_rows <= 0 ? QMR_DEFAULT : set_rows < QMR ? set_rows : QMR;  // rows per tile
     // s8 records (Q8_0, Q6_K: the vocabulary head) at many rows: 8 rows x 2 panels of their int32
     // sums spill, and 4-row tiles ran 4% faster at 128 rows (bench/qgemm.py --tiles-ab)
     if (fmt != U4 && M >= 96 && tr > 4) tr = 4;
@@ -592,8 +600,10 @@ const char* isolab_qgemm_isa() { return QISA; }
 void isolab_balance(int mode) { isolab::balance_mode().store(mode, std::memory_order_relaxed); }
 // 1: big weights' task order and the next task's prefetch (default); 0: chunk by chunk, no prefetch
 void isolab_qgemm_order(int order) { qgemm_order().store(order, std::memory_order_relaxed); }
-// rows per tile, at most 8 on AVX-512 VNNI and 4 elsewhere (the default: the most); no bit changes
+// rows per tile, at most 8 on AVX-512 VNNI and 4 elsewhere; 0: the build's default (8 on AVX-512 VNNI,
+// 3 on AVX2, 4 in plain C); no bit changes
 void isolab_qgemm_tile_rows(int rows) { qgemm_tile_rows().store(rows, std::memory_order_relaxed); }
+int isolab_qgemm_default_tile_rows() { return QMR_DEFAULT; }
 // A (M, K) bf16 or fp32 rows with stride lda; W packed (above); out (M, N) contiguous, bf16 or fp32.
 // K % 32 == 0.
 void isolab_qgemm(const void* A, int a_bf16, long lda, const uint8_t* W, int fmt, int fp16, void* out, int out_bf16,

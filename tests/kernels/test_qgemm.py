@@ -96,12 +96,12 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(fmt, fp16):
         assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), full)
     finally:
         torch.set_num_threads(threads)
-    try:  # tiles of 4 rows (8 is the AVX-512 default) and of 1: the same bits
-        for rows in (4, 1):
+    try:  # tiles of 4 rows (8 is the AVX-512 default, 3 AVX2's), of 3 and of 1: the same bits
+        for rows in (4, 3, 1):
             kernels.qgemm_tile_rows(rows)
             assert torch.equal(kernels.qgemm(x, packed, fmt, fp16, n, torch.bfloat16), full)
     finally:
-        kernels.qgemm_tile_rows(8)
+        kernels.qgemm_tile_rows()
 
 
 def _schedules_keep_one_threads_bits(fmt, fp16, n: int, seed: int, threads: tuple[int, ...],
