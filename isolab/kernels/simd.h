@@ -61,18 +61,15 @@ static inline v16f load16(const uint16_t* p) {
 #define ISOLAB_SPLIT_SELECTS 0
 #endif
 // f(x half, y half) for each 8-lane half of two 16-lane vectors (H: the half's type), joined
+// (shuffles, not memcpy: GCC moved memcpy'd halves through the stack and general registers)
 template <typename H, typename V, typename F>
 static inline V by_halves(V x, V y, F f) {
-    H x0, x1, y0, y1;
-    std::memcpy(&x0, &x, 32);
-    std::memcpy(&x1, (const char*)&x + 32, 32);
-    std::memcpy(&y0, &y, 32);
-    std::memcpy(&y1, (const char*)&y + 32, 32);
-    x0 = f(x0, y0);
-    x1 = f(x1, y1);
-    std::memcpy(&x, &x0, 32);
-    std::memcpy((char*)&x + 32, &x1, 32);
-    return x;
+    const H x0 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    const H x1 = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const H y0 = __builtin_shufflevector(y, y, 0, 1, 2, 3, 4, 5, 6, 7);
+    const H y1 = __builtin_shufflevector(y, y, 8, 9, 10, 11, 12, 13, 14, 15);
+    const H r0 = f(x0, y0), r1 = f(x1, y1);
+    return __builtin_shufflevector(r0, r1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 template <typename H, typename V, typename F>
 static inline V by_halves(V x, F f) {
