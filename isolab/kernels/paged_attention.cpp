@@ -53,28 +53,63 @@ struct NextTask {
 };
 static thread_local NextTask next_task;
 
+// The kernels' vector: 16 lanes with AVX-512, else 8 (AVX2's registers; GCC kept 16-lane vectors
+// that the code writes lane by lane in memory, and split their selects into scalars).
+#if defined(__AVX512F__)
+typedef v16f vlf;
+typedef v16u vlu;
+#else
+typedef v8f vlf;
+typedef v8u vlu;
+#endif
+constexpr int VW = sizeof(vlf) / 4;      // lanes
+constexpr int VK = 16 / VW;              // vectors a 16-key block's scores take
+constexpr int VD = VW == 16 ? 4 : 2;     // vectors of dimensions a P.V pass holds for each head
+static inline vlf loadv(const float* p) {
+    vlf x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline void storev(float* p, vlf x) { std::memcpy(p, &x, sizeof x); }
+static inline vlf vexpv(vlf x) {
+#if defined(__AVX512F__)
+    return vexp_lanes<v16f, v16i>(x);
+#else
+    return vexp_lanes<v8f, v8i>(x);
+#endif
+}
+
 static inline float softmax_row(float* s, int L, int Lpad) {
     const int start = window_start < L ? window_start : 0;
     for (int k = 0; k < start; k++) s[k] = -INFINITY;
     for (int k = L; k < Lpad; k++) s[k] = s[start];
-    v16f mv = load16(s);
-    for (int k = 16; k < Lpad; k += 16) {
-        const v16f x = load16(s + k);
-        mv = vmax_nan(x, mv);  // NaN wins
+    // 16 lane partials (key k in lane k % 16: mv[l / VW][l % VW]), VK vectors of VW lanes
+    vlf mv[VK];
+    for (int j = 0; j < VK; j++) mv[j] = loadv(s + j * VW);
+    for (int k = 16; k < Lpad; k += 16)
+        for (int j = 0; j < VK; j++) mv[j] = max_nan_lanes(loadv(s + k + j * VW), mv[j]);  // NaN wins
+    float m = mv[0][0];
+    for (int l = 1; l < 16; l++) {
+        const float x = mv[l / VW][l % VW];
+        m = (x > m || x != x) ? x : m;
     }
-    float m = mv[0];
-    for (int l = 1; l < 16; l++) m = (mv[l] > m || mv[l] != mv[l]) ? mv[l] : m;
     const int full = L / 16 * 16;
-    v16f acc = v16f{};
-    for (int k = 0; k < Lpad; k += 16) {
-        v16f x = vexp(load16(s + k) - m);
-        for (int l = 0; k + l < start && l < 16; l++) x[l] = 0.0f;  // exact zeros (vexp bottoms out at e^-87)
-        std::memcpy(s + k, &x, 64);
-        if (k < full) acc += x;
-    }
-    for (int k = full; k < L; k++) acc[k % 16] += s[k];
+    vlf acc[VK] = {};
+    for (int k = 0; k < Lpad; k += 16)
+        for (int j = 0; j < VK; j++) {
+            const int k0 = k + j * VW;
+            vlf x = vexpv(loadv(s + k0) - m);
+            if (k0 < start) {  // exact zeros before the window (vexp bottoms out at e^-87)
+                vlf idx;
+                for (int l = 0; l < VW; l++) idx[l] = (float)(k0 + l);
+                x = idx < (float)start ? vlf{} : x;
+            }
+            storev(s + k0, x);
+            if (k < full) acc[j] += x;
+        }
+    for (int k = full; k < L; k++) acc[(k % 16) / VW][k % VW] += s[k];
     float t = 0.0f;
-    for (int l = 0; l < 16; l++) t += acc[l];
+    for (int l = 0; l < 16; l++) t += acc[l / VW][l % VW];
     return t;
 }
 
@@ -122,22 +157,6 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
 // registers of 8: with 16-lane vectors the P.V pass's G x 4 accumulators and the V rows took 40 of
 // them and spilled on every key, and a 32-row step's attention ran 5x its arithmetic). The lane
 // count changes which lanes go together, never a lane's operations, so both give the same bits.
-#if defined(__AVX512F__)
-typedef v16f vlf;
-typedef v16u vlu;
-#else
-typedef v8f vlf;
-typedef v8u vlu;
-#endif
-constexpr int VW = sizeof(vlf) / 4;      // lanes
-constexpr int VK = 16 / VW;              // vectors a 16-key block's scores take
-constexpr int VD = VW == 16 ? 4 : 2;     // vectors of dimensions a P.V pass holds for each head
-static inline vlf loadv(const float* p) {
-    vlf x;
-    std::memcpy(&x, p, sizeof x);
-    return x;
-}
-static inline void storev(float* p, vlf x) { std::memcpy(p, &x, sizeof x); }
 
 // The same arithmetic as attend_row for bs = 16 and Dh = 64, with the G query heads of one KV head
 // sharing each K/V load and every accumulator in a register. Same order of operations per lane.
