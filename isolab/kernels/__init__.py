@@ -236,10 +236,10 @@ def attention_row_units(on: bool) -> bool:
 
 def attention_prefetch(level: int) -> bool:
     """Set what the bf16 attention kernels prefetch (paged_attention.cpp: 0 nothing, 1 within a task,
-    2 also the next task, the default; the AMX kernel has no next-task prefetch, so 1 and 2 are the
-    same there: paged_attention.cpp says why); no level changes a bit. False where this CPU's bf16
-    attention is the fma kernel, which has no prefetches to set."""
-    return _library() is not None and attention_isa() in ("avx512bf16", "amx") and _set("attention_prefetch", level)
+    2 also the next task, the default; the AMX kernel and the fma kernel's bf16 path (64-dim heads)
+    have no next-task prefetch, so 1 and 2 are the same there: paged_attention.cpp says why); no level
+    changes a bit. False without the native kernels."""
+    return _library() is not None and _set("attention_prefetch", level)
 
 
 def balance(on: bool, *, late_first_thread: bool = False) -> bool:

@@ -209,6 +209,53 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
 // sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
 // layouts, VW lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
 // key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
+// What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K runs of scattered blocks
+// a few blocks ahead, each block's V while its keys are scored); 2 (default) also the next task's K
+// during its P.V pass. attend_unit_amx and attend_row_pairs (bf16 without bf16 dot products) prefetch
+// within their task at 1 and 2. bench/attention_prefetch.py compares the levels; none changes a bit.
+static std::atomic<int> prefetch_level{2};  // read once a task (relaxed): a setting, not a synchronization
+extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(level, std::memory_order_relaxed); }
+
+// The within-task prefetch of the bf16 kernels (attend_row_bf16, attend_unit_amx, attend_row_pairs), at
+// level 1 or 2. A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
+// blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
+// (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So the K
+// runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
+// flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds it
+// there). Blocks [first, nblk) of `table`, KV head h. Prefetches only: no effect on any result.
+// (E, RUN: the pool's element type and the bytes of a run; the int8 pool's runs hold their scales)
+template <int DH, int BS, typename E = uint16_t, int RUN = DH * BS * 2>
+struct TaskPrefetch {
+    static constexpr int AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
+    const E* kplane;
+    const E* vplane;
+    const int32_t* table;
+    long NB;
+    int h, first, nblk;
+    bool on;
+
+    // always_inline: GCC 12 finds a function whose only work is prefetches "const" and deletes the
+    // call before it would inline it (a lambda too: the K prefetch of the kernels' first version
+    // never reached the binary; no prefetcht0 in any build until this)
+    template <int LOCALITY>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
+    __attribute__((always_inline)) void run(const E* plane, int i) const {
+        const char* p = (const char*)(const void*)plane + ((long)h * NB + table[i]) * RUN;
+        for (int l = 0; l < RUN; l += 64) __builtin_prefetch(p + l, 0, LOCALITY);
+    }
+    __attribute__((always_inline)) void k_if_scattered(int i) const {
+        if (i == first || table[i] != table[i - 1] + 1) run<3>(kplane, i);
+    }
+    __attribute__((always_inline)) void begin() const {  // the first AHEAD blocks' K
+        if (on)
+            for (int i = first; i < nblk && i < first + AHEAD; i++) k_if_scattered(i);
+    }
+    __attribute__((always_inline)) void at(int i) const {  // block i is about to be scored
+        if (!on) return;
+        if (i + AHEAD < nblk) k_if_scattered(i + AHEAD);
+        run<2>(vplane, i);
+    }
+};
+
 static inline void bf16_pairs(const uint16_t* p, vlf& lo, vlf& hi) {  // VW pairs -> their low and high halves
     vlu u;
     std::memcpy(&u, p, sizeof u);
@@ -225,8 +272,13 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
     float qf[G][DH];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
+    // scattered blocks' K ahead and each block's V while its keys are scored (prefetches only)
+    const TaskPrefetch<DH, BS> pre{kplane, vplane, table, NB, h, 0, nblk,
+                                   prefetch_level.load(std::memory_order_relaxed) != 0};
+    pre.begin();
     // scores, a block's 16 keys at a time: per key, dimensions in ascending order
     for (int i = 0; i < nblk; i++) {
+        pre.at(i);
         const uint16_t* kb = kplane + ((long)h * NB + table[i]) * DH * BS;
         vlf acc[G][VK];
         for (int g = 0; g < G; g++)
@@ -280,52 +332,6 @@ static void attend_row_pairs(const uint16_t* q, const uint16_t* kplane, const ui
         }
     }
 }
-
-// What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K runs of scattered blocks
-// a few blocks ahead, each block's V while its keys are scored); 2 (default) also the next task's K
-// during its P.V pass. bench/attention_prefetch.py compares the three; no setting changes a bit.
-static std::atomic<int> prefetch_level{2};  // read once a task (relaxed): a setting, not a synchronization
-extern "C" void isolab_attention_prefetch(int level) { prefetch_level.store(level, std::memory_order_relaxed); }
-
-// The within-task prefetch of both bf16 kernels (attend_row_bf16, attend_unit_amx), at level 1 or
-// 2. A row's blocks lie anywhere in the pool. Where a block follows the one before it (a prompt's
-// blocks, allocated together), the hardware's stream prefetcher runs ahead; where it does not
-// (blocks taken one by one as decoding went on), each would start with a miss to DRAM. So the K
-// runs of those blocks are prefetched into L1 AHEAD blocks before their scores (about 16 KB in
-// flight), and every block's V run into L2 while its keys are scored (the P.V pass then finds it
-// there). Blocks [first, nblk) of `table`, KV head h. Prefetches only: no effect on any result.
-// (E, RUN: the pool's element type and the bytes of a run; the int8 pool's runs hold their scales)
-template <int DH, int BS, typename E = uint16_t, int RUN = DH * BS * 2>
-struct TaskPrefetch {
-    static constexpr int AHEAD = 16384 / RUN > 1 ? 16384 / RUN : 1;  // RUN: bytes of a (head, block) run
-    const E* kplane;
-    const E* vplane;
-    const int32_t* table;
-    long NB;
-    int h, first, nblk;
-    bool on;
-
-    // always_inline: GCC 12 finds a function whose only work is prefetches "const" and deletes the
-    // call before it would inline it (a lambda too: the K prefetch of the kernels' first version
-    // never reached the binary; no prefetcht0 in any build until this)
-    template <int LOCALITY>  // 3: into L1 (prefetcht0), 2: into L2 (prefetcht1)
-    __attribute__((always_inline)) void run(const E* plane, int i) const {
-        const char* p = (const char*)(const void*)plane + ((long)h * NB + table[i]) * RUN;
-        for (int l = 0; l < RUN; l += 64) __builtin_prefetch(p + l, 0, LOCALITY);
-    }
-    __attribute__((always_inline)) void k_if_scattered(int i) const {
-        if (i == first || table[i] != table[i - 1] + 1) run<3>(kplane, i);
-    }
-    __attribute__((always_inline)) void begin() const {  // the first AHEAD blocks' K
-        if (on)
-            for (int i = first; i < nblk && i < first + AHEAD; i++) k_if_scattered(i);
-    }
-    __attribute__((always_inline)) void at(int i) const {  // block i is about to be scored
-        if (!on) return;
-        if (i + AHEAD < nblk) k_if_scattered(i + AHEAD);
-        run<2>(vplane, i);
-    }
-};
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>

@@ -260,8 +260,8 @@ def test_fused_write_equals_write_kv_then_attend(dname):
 def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh, window):
     """The bf16 kernel prefetches scattered blocks and the next task's keys (claimed one task ahead
     while many are left): each level reads the same keys in the same order, every (row, head) task
-    runs once, and a window's first block is where the next task's prefetch starts. (Where the
-    CPU has no AVX512-BF16 the levels change nothing, and this still checks the task loop.)"""
+    runs once, and a window's first block is where the next task's prefetch starts. (Without
+    AVX512-BF16 or AMX, the fma kernel's bf16 path prefetches within its task for 64-dim heads.)"""
     q, kv, tables, pos = _case(torch.bfloat16, heads, hkv, dh, 16, rows=24, nb=5)
     outs = []
     for rows in (24, 3, 1):  # many tasks, and fewer than the threads' claim-ahead margin
@@ -282,10 +282,11 @@ def test_every_prefetch_level_gives_the_same_bits(heads, hkv, dh, window):
         assert (outs[0].float() - ref.float()).abs().max().item() < DTYPES["bf16"][1]
 
 
-@pytest.mark.skipif(kernels.attention_isa() not in ("avx512bf16", "amx") or not shutil.which("objdump"),
-                    reason="the prefetches are in the AVX512-BF16 and AMX kernels (and objdump reads the build)")
+@pytest.mark.skipif(not kernels.native_ready() or not shutil.which("objdump"),
+                    reason="no native kernels, or no objdump to read the build")
 def test_the_key_prefetch_reaches_the_binary():
-    """The within-task prefetch sends K runs into L1 (prefetcht0) and V runs into L2 (prefetcht1).
+    """The within-task prefetch sends K runs into L1 (prefetcht0) and V runs into L2 (prefetcht1), in
+    every build (the AVX512-BF16, AMX and fma kernels' bf16 paths).
     GCC 12 deletes a call to a function whose only work is prefetches (it finds it "const") before
     inlining it, and the K half of the first version never reached the binary; TaskPrefetch is
     always_inline. Bits cannot show a prefetch, so this reads the built library."""
