@@ -976,19 +976,27 @@ static inline void quantize_key_i8(const T* x, int Dh, bool is_k, int off, int8_
     std::memcpy(run + (long)Dh * I8_RUN + off * 4, &s, 4);
 }
 
-// 32 int8 at p, one 32-bit lane per pair (p[2l], p[2l + 1]) -> lo (the first of each pair) and hi, in fp32
-static inline void load_pairs_i8(const int8_t* p, v16f& lo, v16f& hi) {
-    typedef int16_t v16s __attribute__((vector_size(32)));
-    v16s w;
-    std::memcpy(&w, p, 32);
-    const v16i x = __builtin_convertvector(w, v16i);  // sign-extended: the pair's second byte, signed, is x >> 8
-    lo = __builtin_convertvector((x << 24) >> 24, v16f);
-    hi = __builtin_convertvector(x >> 8, v16f);
+// VW int16 pairs (a key's two dimensions, or a dimension's two keys) -> their low and high bytes, signed
+static inline void load_pairs_i8(const int8_t* p, vlf& lo, vlf& hi) {
+#if defined(__AVX512F__)
+    typedef int16_t vls __attribute__((vector_size(32)));
+    typedef v16i vli;
+#else
+    typedef int16_t vls __attribute__((vector_size(16)));
+    typedef v8i vli;
+#endif
+    vls w;
+    std::memcpy(&w, p, sizeof w);
+    const vli x = __builtin_convertvector(w, vli);  // sign-extended: the pair's second byte, signed, is x >> 8
+    lo = __builtin_convertvector((x << 24) >> 24, vlf);
+    hi = __builtin_convertvector(x >> 8, vlf);
 }
 
 // One (row, KV head) in fp32 arithmetic: G query heads, DH dimensions (a multiple of 16 up to 256;
 // DH_ = 0: dh_rt at run time); table: the row's 16-key runs. Scores over dimension pairs in order
-// (two chains: even, odd dimensions, summed at the end), P.V over the keys in order.
+// (two chains: even, odd dimensions, summed at the end), P.V over the keys in order. A run's 16 keys
+// (and a chunk's 16 dimensions) are VK vectors of VW lanes: 8 on AVX2, whose 16 registers GCC
+// spilled 16-lane vectors from (the same operations lane by lane; no width changes a bit).
 template <typename T, int G, int DH_>
 static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane, const int32_t* table, int L,
                           long NR, int h, float scale, T* out, float* sc, int Lpad, int dh_rt) {
@@ -1001,28 +1009,30 @@ static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane
         for (int d = 0; d < DH; d++) qf[g][d] = load(q, (long)g * DH + d);
     for (int i = start / I8_RUN; i < nblk; i++) {
         const int8_t* kb = kplane + ((long)h * NR + table[i]) * RB;
-        v16f ev[G], od[G];
-        for (int g = 0; g < G; g++) ev[g] = od[g] = v16f{};
+        vlf ev[G][VK], od[G][VK];
+        for (int g = 0; g < G; g++)
+            for (int x = 0; x < VK; x++) ev[g][x] = od[g][x] = vlf{};
         for (int p = 0; p < DH / 2; p++) {
-            v16f k0, k1;
-            load_pairs_i8(kb + p * 32, k0, k1);
-            for (int g = 0; g < G; g++) {
-                ev[g] += qf[g][2 * p] * k0;
-                od[g] += qf[g][2 * p + 1] * k1;
-            }
+            vlf k0[VK], k1[VK];
+            for (int x = 0; x < VK; x++) load_pairs_i8(kb + p * 32 + x * 2 * VW, k0[x], k1[x]);
+            for (int g = 0; g < G; g++)
+                for (int x = 0; x < VK; x++) {
+                    ev[g][x] += qf[g][2 * p] * k0[x];
+                    od[g][x] += qf[g][2 * p + 1] * k1[x];
+                }
         }
-        v16f ks;
-        std::memcpy(&ks, kb + DH * I8_RUN, 64);
-        ks = ks * scale;
-        for (int g = 0; g < G; g++) {
-            const v16f sv = (ev[g] + od[g]) * ks;
-            std::memcpy(sc + (long)g * Lpad + (long)i * I8_RUN, &sv, 64);
+        for (int x = 0; x < VK; x++) {
+            vlf ks;
+            std::memcpy(&ks, kb + DH * I8_RUN + x * 4 * VW, sizeof ks);
+            ks = ks * scale;
+            for (int g = 0; g < G; g++)
+                storev(sc + (long)g * Lpad + (long)i * I8_RUN + x * VW, (ev[g][x] + od[g][x]) * ks);
         }
     }
     float inv[G];
     for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(sc + (long)g * Lpad, L, Lpad);
-    // P.V in chunks of CH vectors of 16 dimensions: G * CH accumulators in registers (AVX2's 16
-    // registers of 8 lanes hold one vector of 16 a head beside the V pairs; no chunking changes a bit)
+    // P.V in chunks of CH x 16 dimensions: G * CH * VK accumulators in registers (AVX2's 16
+    // registers of 8 lanes hold 16 dimensions a head beside the V pairs; no chunking changes a bit)
 #if defined(__AVX512F__)
     constexpr int C = G <= 3 ? 4 : G <= 6 ? 2 : 1;
 #else
@@ -1030,29 +1040,33 @@ static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane
 #endif
     constexpr int CH = DH_ && (DH_ / 16) % C == 0 ? C : 1;
     for (int c0 = 0; c0 < DH / 16; c0 += CH) {
-        v16f o[G][CH];
+        vlf o[G][CH * VK];
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < CH; c++) o[g][c] = v16f{};
+            for (int c = 0; c < CH * VK; c++) o[g][c] = vlf{};
         for (int k = start & ~1; k < L; k += 2) {  // a pair of keys k, k + 1 (of which only keys in start..L-1 count)
             const int8_t* vb = vplane + ((long)h * NR + table[k / I8_RUN]) * RB;
             const int j = k % I8_RUN;
             float vs[2];
             std::memcpy(vs, vb + (long)DH * I8_RUN + j * 4, 8);
-            v16f v0[CH], v1[CH];
-            for (int c = 0; c < CH; c++) load_pairs_i8(vb + ((long)(j >> 1) * DH + (c0 + c) * 16) * 2, v0[c], v1[c]);
+            vlf v0[CH * VK], v1[CH * VK];
+            for (int c = 0; c < CH * VK; c++)
+                load_pairs_i8(vb + ((long)(j >> 1) * DH + c0 * 16 + c * VW) * 2, v0[c], v1[c]);
             if (k >= start)
                 for (int g = 0; g < G; g++) {
                     const float p = sc[(long)g * Lpad + k] * vs[0];
-                    for (int c = 0; c < CH; c++) o[g][c] += p * v0[c];
+                    for (int c = 0; c < CH * VK; c++) o[g][c] += p * v0[c];
                 }
             if (k + 1 < L)
                 for (int g = 0; g < G; g++) {
                     const float p = sc[(long)g * Lpad + k + 1] * vs[1];
-                    for (int c = 0; c < CH; c++) o[g][c] += p * v1[c];
+                    for (int c = 0; c < CH * VK; c++) o[g][c] += p * v1[c];
                 }
         }
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < CH; c++) store16(out + (long)g * DH + (c0 + c) * 16, o[g][c] * inv[g]);
+            for (int c = 0; c < CH * VK; c++) {
+                const vlf r = o[g][c] * inv[g];
+                for (int l = 0; l < VW; l++) store(out, (long)g * DH + c0 * 16 + c * VW + l, r[l]);
+            }
     }
 }
 
