@@ -75,9 +75,9 @@ const char* QISA = "generic";
 
 // The vectors of a panel's 16 columns in the kernel's sums. Where AVX2 is the widest ISA, GCC kept a
 // 16-lane accumulator in memory between operations (two 16-byte stores read back by one 32-byte load,
-// which the core cannot forward: run_panel_tile<U4, 1, 1>'s assembly), so a block of one row took ~110
-// cycles; there the sums run as QL = 2 slices of 8 lanes, the same operations lane by lane (the same
-// bits). s[(r * NP + p) * QL + h]: row r, panel p, columns 8h..8h+7 (QL == 2) or all 16.
+// which the core cannot forward: run_panel_tile<U4, 1, 1>'s assembly), so a block of one row took ~36
+// ns on a Zen 3; there the sums run as QL = 2 slices of 8 lanes, the same operations lane by lane (the
+// same bits; half the time). s[(r * NP + p) * QL + h]: row r, panel p, columns 8h..8h+7 (QL == 2) or all 16.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 typedef v8f qf;
 typedef v8i qi;
