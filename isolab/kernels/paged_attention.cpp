@@ -53,8 +53,11 @@ struct NextTask {
 };
 static thread_local NextTask next_task;
 
-// The kernels' vector: 16 lanes with AVX-512, else 8 (AVX2's registers; GCC kept 16-lane vectors
-// that the code writes lane by lane in memory, and split their selects into scalars).
+// The kernels' vectors: 16 lanes where AVX-512 gives 32 registers, 8 lanes elsewhere (AVX2 has 16
+// registers of 8: with 16-lane vectors the P.V pass's G x 4 accumulators and the V rows took 40 of
+// them and spilled on every key, and a 32-row step's attention ran 5x its arithmetic; GCC also kept
+// 16-lane vectors written lane by lane in memory). The lane count changes which lanes go together,
+// never a lane's operations, so both give the same bits.
 #if defined(__AVX512F__)
 typedef v16f vlf;
 typedef v16u vlu;
@@ -153,11 +156,6 @@ static void attend_row(const T* q, const T* kplane, const T* vplane, const int32
     }
 }
 
-// The fast paths' vectors: 16 lanes where AVX-512 gives 32 registers, 8 lanes elsewhere (AVX2 has 16
-// registers of 8: with 16-lane vectors the P.V pass's G x 4 accumulators and the V rows took 40 of
-// them and spilled on every key, and a 32-row step's attention ran 5x its arithmetic). The lane
-// count changes which lanes go together, never a lane's operations, so both give the same bits.
-
 // The same arithmetic as attend_row for bs = 16 and Dh = 64, with the G query heads of one KV head
 // sharing each K/V load and every accumulator in a register. Same order of operations per lane.
 template <typename T, int G>
@@ -205,10 +203,6 @@ static void attend_row_fast(const T* q, const T* kplane, const T* vplane, const 
     }
 }
 
-// bf16, bs = 16, Dh = 64, on CPUs without AVX512-BF16: attend_row's arithmetic (fp32 products and
-// sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
-// layouts, VW lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
-// key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
 // What attend_row_bf16 prefetches: 0 nothing; 1 within its own task (the K runs of scattered blocks
 // a few blocks ahead, each block's V while its keys are scored); 2 (default) also the next task's K
 // during its P.V pass. attend_unit_amx and attend_row_pairs (bf16 without bf16 dot products) prefetch
@@ -256,6 +250,10 @@ struct TaskPrefetch {
     }
 };
 
+// bf16, bs = 16, Dh = 64, on CPUs without AVX512-BF16: attend_row's arithmetic (fp32 products and
+// sums, dimensions then keys in ascending order, so the same bits as attend_row) over the paired
+// layouts, VW lanes at a time. A 32-bit lane of a K pair row holds dimensions 2p and 2p+1 of one
+// key; of a V pair row, keys 2j and 2j+1 of one dimension: a shift and a mask give both in fp32.
 static inline void bf16_pairs(const uint16_t* p, vlf& lo, vlf& hi) {  // VW pairs -> their low and high halves
     vlu u;
     std::memcpy(&u, p, sizeof u);

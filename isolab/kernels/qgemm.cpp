@@ -56,8 +56,8 @@ constexpr int QMR = QMR_MAX;
 constexpr int QMR = QMR_MAX;  // rows per tile at most (AVX2's 16 ymm registers)
 #endif
 // Rows per tile unless set: QMR, but 3 where AVX2 is the widest ISA: 4 rows' sums (8 integer and 8
-// float vectors) spill, and 4-row tiles ran no faster than 1-row ones on a Zen 3, 3-row tiles 18-25%
-// faster than 4 at 8 to 128 rows, Q4_1 and Q8_0 alike (hand-timed, the model's GEMMs, calls taking turns)
+// float vectors) spill, and 4-row tiles ran no faster than 1-row ones on a Zen 3; 3-row tiles ran
+// 1.13-1.30x faster than 4 at 8 to 128 rows, Q4_1 and Q8_0 alike (bench/qgemm.py --tiles-ab)
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int QMR_DEFAULT = 3;
 #else
