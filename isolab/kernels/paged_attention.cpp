@@ -74,6 +74,17 @@ static inline vlf loadv(const float* p) {
     return x;
 }
 static inline void storev(float* p, vlf x) { std::memcpy(p, &x, sizeof x); }
+static inline void storev(uint16_t* p, vlf x) {  // rounded to bf16 as store() rounds
+#if defined(__AVX512F__)
+    store16(p, x);
+#else
+    typedef uint16_t v8h __attribute__((vector_size(16)));
+    v8u u;
+    std::memcpy(&u, &x, sizeof u);
+    const v8h h = __builtin_convertvector(bf16_bits_lanes(u), v8h);
+    std::memcpy(p, &h, sizeof h);
+#endif
+}
 static inline vlf vexpv(vlf x) {
 #if defined(__AVX512F__)
     return vexp_lanes<v16f, v16i>(x);
@@ -103,9 +114,9 @@ static inline float softmax_row(float* s, int L, int Lpad) {
             const int k0 = k + j * VW;
             vlf x = vexpv(loadv(s + k0) - m);
             if (k0 < start) {  // exact zeros before the window (vexp bottoms out at e^-87)
-                vlf idx;
-                for (int l = 0; l < VW; l++) idx[l] = (float)(k0 + l);
-                x = idx < (float)start ? vlf{} : x;
+                vlf lane;  // 0, 1, ..., VW - 1 (exact in fp32)
+                for (int l = 0; l < VW; l++) lane[l] = (float)l;
+                x = lane < (float)(start - k0) ? vlf{} : x;
             }
             storev(s + k0, x);
             if (k < full) acc[j] += x;
@@ -1061,10 +1072,7 @@ static void attend_row_i8(const T* q, const int8_t* kplane, const int8_t* vplane
                 }
         }
         for (int g = 0; g < G; g++)
-            for (int c = 0; c < CH * VK; c++) {
-                const vlf r = o[g][c] * inv[g];
-                for (int l = 0; l < VW; l++) store(out, (long)g * DH + c0 * 16 + c * VW + l, r[l]);
-            }
+            for (int c = 0; c < CH * VK; c++) storev(out + (long)g * DH + c0 * 16 + c * VW, o[g][c] * inv[g]);
     }
 }
 

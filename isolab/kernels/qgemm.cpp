@@ -433,35 +433,48 @@ static void run_panel_tile(const uint8_t* W, long ps, int nb, bool fp16, const Q
             dot_u4<R, NP>(rec, ps, a, s0);
         else
             dot_s8<R, FMT == S8 ? 32 : 16, NP>(rec, ps, a, s0, s1);
-        for (int p = 0; p < NP; p++)
-            for (int h = 0; h < QL; h++) {
-                const uint8_t* sc = rec + p * ps + (FMT == U4 ? 256 : 512);
-                if (FMT == U4) {
-                    const qf d = load_scales_part(sc, fp16, h), mn = load_scales_part(sc + sb, fp16, h);
-                    for (int r = 0; r < R; r++) {
-                        const int i = (r * NP + p) * QL + h;
-                        qf& x = acc[i];
-                        x = x + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
-                        x = x + mn * a[r]->xs;
-                    }
-                } else if (FMT == S8) {
-                    const qf d = load_scales_part(sc, fp16, h);
-                    for (int r = 0; r < R; r++) {
-                        const int i = (r * NP + p) * QL + h;
-                        acc[i] = acc[i] + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
-                    }
-                } else {
-                    const qf d0 = load_scales_part(sc, fp16, h), d1 = load_scales_part(sc + sb, fp16, h);
-                    for (int r = 0; r < R; r++) {
-                        const int i = (r * NP + p) * QL + h;
-                        qf& x = acc[i];
-                        x = x + (d0 * a[r]->d) * __builtin_convertvector(s0[i], qf);
-                        x = x + (d1 * a[r]->d) * __builtin_convertvector(s1[i], qf);
-                    }
+        // the float part of panel p's columns 16h/QL.. (a loop over h where QL == 1, even of one
+        // pass, changed how GCC allots the AVX-512 kernel's registers: 23 more stack operations in
+        // run_panel_tile<U4, 8, 2>, read in its assembly)
+        auto fold = [&](int p, int h) {
+            const uint8_t* sc = rec + p * ps + (FMT == U4 ? 256 : 512);
+            if (FMT == U4) {
+                const qf d = load_scales_part(sc, fp16, h), mn = load_scales_part(sc + sb, fp16, h);
+                for (int r = 0; r < R; r++) {
+                    const int i = (r * NP + p) * QL + h;
+                    qf& x = acc[i];
+                    x = x + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                    x = x + mn * a[r]->xs;
+                }
+            } else if (FMT == S8) {
+                const qf d = load_scales_part(sc, fp16, h);
+                for (int r = 0; r < R; r++) {
+                    const int i = (r * NP + p) * QL + h;
+                    acc[i] = acc[i] + (d * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                }
+            } else {
+                const qf d0 = load_scales_part(sc, fp16, h), d1 = load_scales_part(sc + sb, fp16, h);
+                for (int r = 0; r < R; r++) {
+                    const int i = (r * NP + p) * QL + h;
+                    qf& x = acc[i];
+                    x = x + (d0 * a[r]->d) * __builtin_convertvector(s0[i], qf);
+                    x = x + (d1 * a[r]->d) * __builtin_convertvector(s1[i], qf);
                 }
             }
+        };
+        for (int p = 0; p < NP; p++) {
+            if constexpr (QL == 1) {
+                fold(p, 0);
+            } else {
+                for (int h = 0; h < QL; h++) fold(p, h);
+            }
+        }
     }
-    for (int i = 0; i < R * NP; i++) std::memcpy(&out[i], &acc[i * QL], 64);
+    if constexpr (QL == 1) {
+        for (int i = 0; i < R * NP; i++) out[i] = acc[i];
+    } else {
+        for (int i = 0; i < R * NP; i++) std::memcpy(&out[i], &acc[i * QL], 64);
+    }
 }
 
 // rows x (NP panels) of output; cols: the columns of the last panel that exist (1..16)
