@@ -4,7 +4,9 @@
   task:   within a (row, KV head) task: the K/V runs of scattered blocks up front, and each block's
           V run while its keys are scored;
   next:   task, and the K runs of the task the thread takes next during this task's P.V pass (the
-          default). The AMX kernel (a CPU with AMX) has no next-task prefetch: there next is task.
+          default). The AMX kernel (a CPU with AMX) and the fma kernel (no bf16 instructions; 64-dim
+          heads only: Gemma's 256-dim heads there prefetch nothing) have no next-task prefetch:
+          there next is task.
 
 A decode step at N rows (contexts of --keys keys, 100-350 by default, in a model's attention
 shape: SmolLM2-135M's 9 query heads on 3 KV heads of 64 dims by default, or Gemma 3 270M's 4 on 1
@@ -86,8 +88,8 @@ def main() -> int:
     out_path = Path(args.out or Path(__file__).parent / "results" / (
         "attention_prefetch.json" if default else f"attention_prefetch_{args.shape}_{lo}-{hi}.json"))
     if not kernels.attention_prefetch(2):
-        print(f"the prefetches are in the AVX512-BF16 and AMX kernels; this CPU's bf16 attention path is "
-              f"{kernels.attention_isa() if kernels.native_ready() else 'torch'}: nothing to compare")
+        print("the prefetches are in the native kernels, which do not run here (torch's attention): "
+              "nothing to compare")
         return 2
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(int(lo), int(hi), (args.rows,), generator=gen)

@@ -153,8 +153,8 @@ def main() -> int:
     bundle = load_bundle(None, args.dtype, weights=args.weights)
     levels = [int(x) for x in args.attention_prefetch.split(",")]
     if (levels != [2] or args.paired_prefetch_ab) and not kernels.attention_prefetch(2):
-        print("--attention-prefetch / --paired-prefetch-ab: the prefetches are in the AVX512-BF16 and AMX attention "
-              "kernels, neither of which this CPU runs")
+        print("--attention-prefetch / --paired-prefetch-ab: the prefetches are in the native attention kernels, "
+              "which do not run here")
         return 2
     if args.paired_order_ab and (bundle.weights != "native" or not kernels.qgemm_order(True)):
         print("--paired-order-ab: the task order is the quantized GEMM's, which runs with native weights only")
