@@ -73,23 +73,12 @@ static inline vlf loadv(const float* p) {
     std::memcpy(&x, p, sizeof x);
     return x;
 }
-static inline void storev(float* p, vlf x) { std::memcpy(p, &x, sizeof x); }
-static inline void storev(uint16_t* p, vlf x) {  // rounded to bf16 as store() rounds
+template <typename T>
+static inline void storev(T* p, vlf x) {  // bf16: rounded as store() rounds
 #if defined(__AVX512F__)
     store16(p, x);
 #else
-    typedef uint16_t v8h __attribute__((vector_size(16)));
-    v8u u;
-    std::memcpy(&u, &x, sizeof u);
-    const v8h h = __builtin_convertvector(bf16_bits_lanes(u), v8h);
-    std::memcpy(p, &h, sizeof h);
-#endif
-}
-static inline vlf vexpv(vlf x) {
-#if defined(__AVX512F__)
-    return vexp_lanes<v16f, v16i>(x);
-#else
-    return vexp_lanes<v8f, v8i>(x);
+    store8(p, x);
 #endif
 }
 
@@ -112,7 +101,7 @@ static inline float softmax_row(float* s, int L, int Lpad) {
     for (int k = 0; k < Lpad; k += 16)
         for (int j = 0; j < VK; j++) {
             const int k0 = k + j * VW;
-            vlf x = vexpv(loadv(s + k0) - m);
+            vlf x = vexp(loadv(s + k0) - m);
             if (k0 < start) {  // exact zeros before the window (vexp bottoms out at e^-87)
                 vlf lane;  // 0, 1, ..., VW - 1 (exact in fp32)
                 for (int l = 0; l < VW; l++) lane[l] = (float)l;

@@ -98,6 +98,15 @@ static inline void store16(uint16_t* p, v16f x) {
     v16h h = __builtin_convertvector(bf16_bits16(x), v16h);
     std::memcpy(p, &h, 32);
 }
+// 8 lanes (one AVX2 register), as store16 stores 16
+static inline void store8(float* p, v8f x) { std::memcpy(p, &x, 32); }
+static inline void store8(uint16_t* p, v8f x) {
+    typedef uint16_t v8h __attribute__((vector_size(16)));
+    v8u u;
+    std::memcpy(&u, &x, 32);
+    const v8h h = __builtin_convertvector(bf16_bits_lanes(u), v8h);
+    std::memcpy(p, &h, 16);
+}
 
 // exp(x), 16 lanes, x clamped to [-87, 88]: 2^(x log2 e), split into an integer power and a
 // degree-6 minimax polynomial on [-0.5, 0.5] (relative error about 1e-7).
@@ -123,13 +132,10 @@ static inline v16f vexp(v16f x) {
     if constexpr (ISOLAB_SPLIT_SELECTS) return by_halves<v8f>(x, vexp_lanes<v8f, v8i>);
     return vexp_lanes<v16f, v16i>(x);
 }
+static inline v8f vexp(v8f x) { return vexp_lanes<v8f, v8i>(x); }
+// lane by lane: x where x > m or x is NaN, else m (a maximum in which NaN wins)
 template <typename V>
 static inline V max_nan_lanes(V x, V m) { return (x > m || x != x) ? x : m; }
-// lane by lane: x where x > m or x is NaN, else m (a maximum in which NaN wins)
-static inline v16f vmax_nan(v16f x, v16f m) {
-    if constexpr (ISOLAB_SPLIT_SELECTS) return by_halves<v8f>(x, m, max_nan_lanes<v8f>);
-    return max_nan_lanes(x, m);
-}
 
 // Whether this process may use AMX tiles: Linux hands the tile state to a process only on request
 // (arch_prctl, Linux 5.16+). False in a build without AMX. One answer per kernel file, cached.
