@@ -202,7 +202,8 @@ class ChatRefusalPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[ChatContentPart | ChatRefusalPart, Field(discriminator="type")]] | None = None
+    content: str | Annotated[list[Annotated[ChatContentPart | ChatRefusalPart, Field(discriminator="type")]],
+                             Field(min_length=1)] | None = None  # (OpenAI refuses an empty list)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this result answers
@@ -244,7 +245,7 @@ class ChatCompletionRequest(BaseRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
-    tools: list[ToolSpec] | None = None
+    tools: Annotated[list[ToolSpec], Field(min_length=1)] | None = None  # (OpenAI refuses [])
     tool_choice: ToolChoice | None = None  # default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
 

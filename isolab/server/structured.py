@@ -12,6 +12,7 @@ grammar itself: the engine's compiler does, and its errors become a 400 naming t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from isolab.errors import InvalidRequestError
@@ -36,6 +37,13 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
         if not isinstance(js, dict) or "schema" not in js:
             raise ApiError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                            param="response_format")
+        name = js.get("name")
+        if name is None:  # (OpenAI requires it; it names the format and shapes nothing here)
+            raise ApiError(400, "response_format.json_schema needs a name (letters, digits, _ and -, at most 64)",
+                           param="response_format.json_schema.name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise ApiError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+                           param="response_format.json_schema.name")
         if js.get("strict") is not None and not isinstance(js["strict"], bool):  # ("yes" was taken)
             raise ApiError(400, f"response_format.json_schema.strict must be true or false, not {js['strict']!r}",
                            param="response_format.json_schema.strict")

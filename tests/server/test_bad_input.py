@@ -54,6 +54,15 @@ def _nested(depth: int) -> dict:
      "stream_options", "stream: true"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "banana"}}}]}, "tools.0.function.parameters", "must be the JSON Schema of an object"),
+    # empty lists and a nameless schema, which OpenAI refuses (a client tested here then works there)
+    ("/v1/chat/completions", {**CHAT, "tools": []}, "tools", "at least 1"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]}, "messages.0.content",
+     "at least 1"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format.json_schema.name", "needs a name"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a b", "schema": {"type": "object"}}}}, "response_format.json_schema.name", "letters, digits"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 2}, "prompt", "is empty"),
     # an object schema the grammar compiler cannot take still fails there, naming the tools
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "banana"}}}}}]}, "tools", "the grammar is not valid"),
