@@ -74,12 +74,9 @@ def main() -> int:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     stages["trimmed"] = rss_mib()
 
-    def mb(tensors) -> float:
-        return round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
-
     held = {"weight blocks MiB": round(sum(w.nbytes for w in model.linears()) / 2**20, 1),
-            "RoPE tables MiB": mb([getattr(model, a) for a in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local")
-                                   if hasattr(model, a)])}
+            "RoPE tables MiB": round(sum(getattr(model, a).nbytes for a in ("rope", "rope_local")
+                                         if hasattr(model, a)) / 2**20, 1)}
     steps = list(stages.items())
     deltas = {name: round(v - steps[i - 1][1], 1) for i, (name, v) in enumerate(steps) if i}
     out = {"model": path.name, "rss_mib": stages, "added_mib": deltas, "held": held, "torch": torch.__version__}

@@ -19,15 +19,6 @@ def causal_hidden(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     return key_pos.view(1, 1, num_keys) > q_pos.unsqueeze(-1)
 
 
-def rope_tables(base: float, head_dim: int, positions: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, Dh) cos and sin tables of rotate-half RoPE for a base, as the rope kernel and the torch path read them."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)  # (P, Dh/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (P, Dh)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-
-
 def attention_core(
     q: torch.Tensor,  # (B, T, H, Dh) queries, padded rows allowed
     k: torch.Tensor,  # (Hkv, B, S, Dh) keys at positions 0..S-1, padded keys allowed

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from isolab import kernels
+from isolab.models.rope import RopeTables
 
 
 class GemmaModel(Protocol):
@@ -27,10 +28,8 @@ class GemmaModel(Protocol):
     embed: Any  # (N,) ids -> (N, D)
     final_norm: torch.Tensor
     native_kernels: bool
-    rope_cos: torch.Tensor  # (P, Dh): global layers
-    rope_sin: torch.Tensor
-    rope_cos_local: torch.Tensor  # (P, Dh): local layers
-    rope_sin_local: torch.Tensor
+    rope: RopeTables  # global layers
+    rope_local: RopeTables  # local layers
     embed_scale: torch.Tensor  # sqrt(D) in the dtype
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
@@ -51,9 +50,10 @@ def forward(m: GemmaModel, token_ids: torch.Tensor, positions: torch.Tensor, att
     N = token_ids.shape[0]
     H, Hkv, Dh, eps, native = hp.num_heads, hp.num_kv_heads, hp.head_dim, hp.rms_eps, m.native_kernels
     x = m.embed[token_ids] * m.embed_scale  # (N, D)
+    tables = {False: m.rope.for_positions(positions), True: m.rope_local.for_positions(positions)}  # (P, Dh) pairs
     for i, L in enumerate(m.layers):
         local = hp.is_local(i)
-        cos, sin = (m.rope_cos_local, m.rope_sin_local) if local else (m.rope_cos, m.rope_sin)
+        cos, sin = tables[local]
         qkv = L.wqkv(norm(x, L.attn_norm, eps, native))  # (N, (H + 2 Hkv) Dh)
         q = norm(qkv[:, : H * Dh].reshape(N, H, Dh), L.q_norm, eps, native)
         k = norm(qkv[:, H * Dh : (H + Hkv) * Dh].reshape(N, Hkv, Dh), L.k_norm, eps, native)

@@ -23,8 +23,8 @@ from isolab.errors import ModelLoadError, UnsupportedModelError
 # Architectures whose tensors and hyper-parameters follow llama.cpp's "llama" layout, with what each
 # adds: qwen2 biases on q, k and v; qwen3 an RMSNorm on each head of q and k (models/llama.py).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-MAX_CONTEXT = 1 << 24  # tokens: the RoPE tables are built for the whole context at load (16M: 4 GiB of them in
-#   bf16 at a head size of 64, about 3x that while they are computed in fp32); no supported GGUF claims more
+MAX_CONTEXT = 1 << 24  # tokens: the RoPE tables grow with the positions asked for (models/rope.py), up to the
+#   context (16M: 4 GiB of them in bf16 at a head size of 64); no supported GGUF claims more
 PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaves q/k rows for these only (reverse_permute)
 
 # Tensor types we read: dense weights are dequantized to fp32 with the gguf package, then cast to the

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from isolab import kernels
 from isolab.kernels import quant
 from isolab.models import gemma3, invariance, qwen
-from isolab.models.attention import KEY_PAD, attention_core, rope_tables
+from isolab.models.attention import KEY_PAD, attention_core
 from isolab.models.gguf_loader import LlamaHParams, LoadedGGUF, RawTensor
 from isolab.models.linear import BlockWeight, GemmPath, QuantWeight, StackedWeight, Weight, path_applies
+from isolab.models.rope import RopeTables
 from isolab.models.weight_cache import WeightCache
 
 Linear = Weight | QuantWeight | BlockWeight | StackedWeight
@@ -329,11 +330,10 @@ class LlamaModel:
                 post_ffn_norm=wf(p + "post_ffw_norm.weight") if hp.gemma else None,
             ))
         self._fused = self._fused_layers() if self.native_kernels and kernels.native_ready() else None
-        self.rope_cos, self.rope_sin = rope_tables(hp.rope_theta, hp.head_dim, hp.context_length, self.dtype,
-                                                   self.device)
+        # built as positions are asked for, up to the context (models/rope.py)
+        self.rope = RopeTables(hp.rope_theta, hp.head_dim, hp.context_length, self.dtype, self.device)
         if hp.gemma:  # local layers: their own RoPE base; embeddings scaled by sqrt(D), rounded as transformers does
-            self.rope_cos_local, self.rope_sin_local = rope_tables(hp.rope_theta_local, hp.head_dim,
-                                                                   hp.context_length, self.dtype, self.device)
+            self.rope_local = RopeTables(hp.rope_theta_local, hp.head_dim, hp.context_length, self.dtype, self.device)
             self.embed_scale = torch.tensor(hp.hidden_size ** 0.5, dtype=self.dtype)
 
     def linears(self) -> list[Linear]:
@@ -361,8 +361,9 @@ class LlamaModel:
         N = token_ids.shape[0]
         H, Hkv, Dh = hp.num_heads, hp.num_kv_heads, hp.head_dim
         x = self.embed[token_ids]  # (N, D)
-        cos = self.rope_cos[positions].unsqueeze(1)  # (N, 1, Dh)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cos, sin = self.rope.for_positions(positions)
+        cos = cos[positions].unsqueeze(1)  # (N, 1, Dh)
+        sin = sin[positions].unsqueeze(1)
         for i, L in enumerate(self.layers):
             h = self._rms_norm(x, L.attn_norm)
             qkv = qwen.qkv_extras(self, L, L.wqkv(h), N, native=False)  # (N, (H + 2 Hkv) Dh)
@@ -409,15 +410,16 @@ class LlamaModel:
         x = self.embed[token_ids]  # (N, D), our own copy: the residual stream, updated in place
         h = kernels.rms_norm(x, self.layers[0].attn_norm, eps)
         fa = attn.fused() if self._fused is not None and hasattr(attn, "fused") else None
+        cos, sin = self.rope.for_positions(positions)  # (P, Dh) each: every position's row
         if fa is not None:
             kernels.forward_layers(x, h, self._fused, fa.k_pools, fa.v_pools, len(self.layers), self.final_norm,
-                                   self.rope_cos, self.rope_sin, positions.contiguous(), fa.slots, fa.tables,
+                                   cos, sin, positions.contiguous(), fa.slots, fa.tables,
                                    fa.row_table, fa.q_pos, (H, Hkv, Dh), fa.num_blocks, fa.block_size, fa.scale, eps,
                                    ((H + 2 * Hkv) * Dh, hp.intermediate_size), fa.kv_i8)
             return h
         for i, L in enumerate(self.layers):
             qkv = qwen.qkv_extras(self, L, L.wqkv(h), N, native=True)  # (N, (H + 2 Hkv) Dh)
-            kernels.rope_(qkv, self.rope_cos, self.rope_sin, positions, H + Hkv, Dh)  # q and k
+            kernels.rope_(qkv, cos, sin, positions, H + Hkv, Dh)  # q and k
             q = qkv[:, : H * Dh].view(N, H, Dh)
             k = qkv[:, H * Dh : (H + Hkv) * Dh].view(N, Hkv, Dh)
             v = qkv[:, (H + Hkv) * Dh :].view(N, Hkv, Dh)
