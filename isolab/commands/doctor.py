@@ -3,7 +3,9 @@
     isolab doctor --tiny --engine-args "--inject-fault coarse-key"
     isolab doctor --base-url http://localhost:8000 --no-cache-field cache_prompt=false
 
-Exit status: 0 when no symptom was found, 1 when one was (the verdict says what kind), 2 on bad input.
+Exit status: 0 when no symptom was found, 1 when one was (the verdict says what kind), 2 on bad input,
+3 when none was seen but the runs could not have shown a cache fault (the cache served no token, or
+the server does not report cached_tokens): inconclusive, as `isolab probe` says it.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from isolab.doctor.experiments import EngineTarget, Target, diagnose
     from isolab.doctor.report import plot_sweep, print_report, write_json
     from isolab.doctor.symptoms import parse_check
-    from isolab.doctor.verdict import NO_SYMPTOM, judge
+    from isolab.doctor.verdict import NO_SYMPTOM, UNEXERCISED, judge
     from isolab.doctor.workload import builtin_workload, load_jsonl
 
     check_output_path(args.json, "--json")  # before any work: a path that cannot be written is a sentence now
@@ -134,4 +136,4 @@ def run(args: argparse.Namespace) -> int:
         write_json(findings, verdict, args.json, {"engine_args": args.engine_args, "base_url": args.base_url})
     if args.plot:
         plot_sweep(findings, args.plot)
-    return 0 if verdict.verdict == NO_SYMPTOM else 1
+    return {NO_SYMPTOM: 0, UNEXERCISED: 3}.get(verdict.verdict, 1)

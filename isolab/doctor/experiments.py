@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 from isolab.doctor.symptoms import Check, Result, Symptom, find_symptoms, foreign_hits
-from isolab.doctor.verdict import Findings, RunRecord, served_from_cache
+from isolab.doctor.verdict import Findings, RunRecord, cache_unexercised, served_from_cache
 from isolab.doctor.workload import Item
 from isolab.errors import InvalidRequestError
 
@@ -190,8 +190,7 @@ def diagnose(
 
 def vacuity_warnings(sweep: Sequence[RunRecord]) -> list[str]:
     """A cache that never served a token cannot show a cache fault: say so rather than pass."""
-    hits = [r.stats.get("prefix_cache_hits_tokens", r.stats.get("cached_tokens")) for r in sweep]
-    if hits and all(h == 0 for h in hits):
+    if cache_unexercised(sweep):
         return ["the prefix cache served no tokens in any run (or the server does not report cached_tokens): "
                 "a cache fault could not have shown; use prompts that share at least one full block"]
     return []

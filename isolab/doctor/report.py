@@ -7,7 +7,7 @@ from pathlib import Path
 
 from isolab.doctor.experiments import symptoms_by_kind
 from isolab.doctor.symptoms import Symptom
-from isolab.doctor.verdict import Findings, Verdict, to_json
+from isolab.doctor.verdict import NO_SYMPTOM, UNEXERCISED, Findings, Verdict, to_json
 
 _SHORT = {"prefix_cache_hits_tokens": "hit tokens", "evictions": "evictions", "preemptions": "preemptions",
           "audit_violations": "audit violations", "cached_tokens": "cached tokens"}
@@ -49,7 +49,7 @@ def print_report(f: Findings, v: Verdict) -> None:
     if f.numerics is not None:
         state = "batch-invariant" if f.batch_invariant else "[red]NOT batch-invariant[/]"
         console.print(f"numerics (the target's start-up check): {f.numerics}, {state}")
-    colour = "green" if v.verdict == "no symptom" else "red"
+    colour = {NO_SYMPTOM: "green", UNEXERCISED: "yellow"}.get(v.verdict, "red")
     console.print(f"verdict: [bold {colour}]{v.verdict}[/]")
 
 

@@ -10,6 +10,7 @@ tests check it on recorded results without a model.
 
 Verdict (the seed: yes to (a) and (d) locks it on shared state or cache isolation):
     no symptom anywhere                               -> NO_SYMPTOM
+    ... but the cache served no token in the sweep    -> UNEXERCISED (inconclusive, as the probe says it)
     a symptom alone (no sharing at all)               -> SOMETHING_ELSE
     shared-engine symptoms that vanish with cache off -> CACHE_ISOLATION
     shared-engine symptoms that persist with it off   -> SHARED_NOT_CACHE
@@ -32,6 +33,8 @@ SOMETHING_ELSE = "something else (not isolation)"
 CACHE_ISOLATION = "shared state: cache isolation"
 SHARED_NOT_CACHE = "shared state, not the cache (e.g. RNG or batch state)"
 SHARED_STATE = "shared state (cache or not: no cache switch to tell)"
+UNEXERCISED = ("no symptom seen, but the prefix cache served no tokens (or the server does not report them): "
+               "a cache fault could not have shown (inconclusive)")
 NUMERICS = "the engine's numerics are not batch-invariant on this CPU (not shared state, not the cache)"
 
 YES, NO, NA = "yes", "no", "n/a"
@@ -132,6 +135,12 @@ def served_from_cache(runs: Sequence[RunRecord]) -> int:
     return sum(int(r.stats.get("prefix_cache_hits_tokens", r.stats.get("cached_tokens")) or 0) for r in runs)
 
 
+def cache_unexercised(sweep: Sequence[RunRecord]) -> bool:
+    """Whether every sweep run reports a cache that served no token: no cache fault could have shown."""
+    hits = [r.stats.get("prefix_cache_hits_tokens", r.stats.get("cached_tokens")) for r in sweep]
+    return bool(hits) and all(h == 0 for h in hits)
+
+
 def cache_switched_off(f: Findings) -> bool:
     """Whether the cache-off runs ran with the cache off: not where they were still served cached
     tokens (a --no-cache-field the server ignores, e.g. llama.cpp's cache_prompt sent to isolab)."""
@@ -161,7 +170,7 @@ def judge(f: Findings) -> Verdict:
     if len(foreign_alone) < len(f.alone.symptoms):
         v = SOMETHING_ELSE
     elif not shared:
-        v = NO_SYMPTOM
+        v = UNEXERCISED if cache_unexercised(f.sweep) else NO_SYMPTOM
     elif f.batch_invariant is False and (not cache_switched_off(f) or any(r.symptoms for r in f.nocache)):
         v = NUMERICS
     elif not cache_switched_off(f):

@@ -4,6 +4,7 @@ mocked OpenAI server (healthy, and one whose prompt cache answers for the wrong 
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from isolab.cli import main
 from isolab.doctor.experiments import diagnose
 from isolab.doctor.http_target import HttpTarget
-from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, NUMERICS, SHARED_NOT_CACHE, judge
+from isolab.doctor.verdict import CACHE_ISOLATION, NO_SYMPTOM, NUMERICS, SHARED_NOT_CACHE, UNEXERCISED, judge
 from isolab.doctor.workload import builtin_workload
 from isolab.errors import InvalidRequestError
 from isolab.faults import FAULTS
@@ -60,9 +61,11 @@ def test_bad_engine_args_is_one_sentence(capsys):
     assert "unknown engine flags --no-such-flag" in capsys.readouterr().err
 
 
-def _mock_server(buggy: bool) -> httpx.MockTransport:
-    """A deterministic server; when buggy, its prompt cache keys on the prompt's length only."""
+def _mock_server(buggy: bool, reports_cache: bool = True) -> httpx.MockTransport:
+    """A deterministic server; when buggy, its prompt cache keys on the prompt's length only. It
+    reports as cached the characters a prompt shares with an earlier one (none if not reports_cache)."""
     cache: dict[int, str] = {}
+    seen: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/models"):
@@ -74,15 +77,22 @@ def _mock_server(buggy: bool) -> httpx.MockTransport:
             answer = cache.setdefault(len(prompt), answer)
         toks = list(answer)
         lp = {"tokens": toks, "token_logprobs": [-0.1] * len(toks), "top_logprobs": [{t: -0.1, "#": -5.0} for t in toks]}
+        cached = max((len(os.path.commonprefix([prompt, p])) for p in seen), default=0)
+        if body.get("cache_prompt", True):
+            seen.append(prompt)
+        else:
+            cached = 0
         return httpx.Response(200, json={"choices": [{"text": answer, "logprobs": lp}],
-                                         "usage": {"prompt_tokens_details": {"cached_tokens": 0}}})
+                                         "usage": {"prompt_tokens_details": {"cached_tokens": cached * reports_cache}}})
 
     return httpx.MockTransport(handler)
 
 
-@pytest.mark.parametrize("buggy,verdict", [(False, NO_SYMPTOM), (True, CACHE_ISOLATION)])
-def test_server_doctor_on_a_mock(buggy, verdict):
-    target = HttpTarget("http://mock", no_cache={"cache_prompt": False}, stagger_s=0, transport=_mock_server(buggy))
+@pytest.mark.parametrize("buggy,reports,verdict", [(False, True, NO_SYMPTOM), (True, True, CACHE_ISOLATION),
+                                                    (False, False, UNEXERCISED)])
+def test_server_doctor_on_a_mock(buggy, reports, verdict):
+    target = HttpTarget("http://mock", no_cache={"cache_prompt": False}, stagger_s=0,
+                        transport=_mock_server(buggy, reports))
     f = diagnose(target, builtin_workload(), concurrencies=(1, 4))
     assert judge(f).verdict == verdict
     assert f.alone.label == "alone (one request at a time)"  # (it said "fresh engine each" of a server)

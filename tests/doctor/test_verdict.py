@@ -94,3 +94,16 @@ def test_a_cache_that_never_hit_is_flagged():
     cold = [RunRecord("c=1", "original", 1, True, N, [], {"prefix_cache_hits_tokens": 0})]
     warm = [RunRecord("c=1", "original", 1, True, N, [], {"prefix_cache_hits_tokens": 32})]
     assert vacuity_warnings(cold) and not vacuity_warnings(warm)
+
+
+def test_no_symptom_from_a_cache_that_never_hit_is_inconclusive():
+    """As the probe says INCONCLUSIVE where a server reports no cached tokens: the doctor does not
+    answer "no symptom" (exit 0) from runs that could not have shown a cache fault."""
+    from isolab.doctor.verdict import UNEXERCISED
+
+    f = findings({1: [], 4: []}, {4: []})
+    for r in f.sweep:
+        r.stats["cached_tokens"] = 0
+    assert judge(f).verdict == UNEXERCISED
+    f.sweep[-1].stats["cached_tokens"] = 64  # one run was served from the cache: a fault could have shown
+    assert judge(f).verdict == NO_SYMPTOM
