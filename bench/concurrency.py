@@ -5,6 +5,7 @@ through LLMEngine with at most C in flight (isolab/bench/engine_bench.py), with 
 defaults a user gets. The GEMM share of a step at C rows is bench/step_profile.py's.
 
     .venv/bin/python bench/concurrency.py [--concurrency 1,8,32,128,256] [--dtype bf16] [--kv-cache-dtype int8]
+        [--max-num-batched-tokens N]
 
 Writes bench/results/concurrency_DTYPE[_kvint8].json. Run it alone (2 cores).
 """
@@ -30,13 +31,16 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--weights", default="auto", choices=("auto", "native", "dense"))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens a step computes (the engine's default when not given)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bundle = load_bundle(None, args.dtype, weights=args.weights)
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         # the defaults a user gets (the K/V pool's dtype as asked)
-        engine = LLMEngine(build_engine_config(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype), bundle)
+        budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+        engine = LLMEngine(build_engine_config(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, **budget), bundle)
         wl = make_workload(WorkloadSpec(num_requests=max(2 * c, 4), prompt_len=(64, 256), output_len=(128, 128),
                                         seed=c))
         r = run_engine_bench(engine, wl, c)
@@ -48,7 +52,8 @@ def main() -> int:
     kv = "" if args.kv_cache_dtype == "auto" else f"_kv{args.kv_cache_dtype}"
     out = Path(args.out or Path(__file__).parent / "results" / f"concurrency_{args.dtype}{kv}.json")
     out.write_text(json.dumps({"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "weights": bundle.weights,
-                               "numerics": bundle.model.numerics.numerics, "rows": rows}, indent=2))
+                               "numerics": bundle.model.numerics.numerics,
+                               "max_num_batched_tokens": args.max_num_batched_tokens or "default", "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 
