@@ -76,7 +76,16 @@ def _body_strategy(srv, path: str) -> st.SearchStrategy[Any]:
     # mostly schema-shaped bodies (some with one field replaced by junk), some pure junk
     mutated = st.tuples(valid, st.text(max_size=10), ANY_JSON).map(
         lambda t: {**t[0], t[1]: t[2]} if isinstance(t[0], dict) else t[0])
-    return st.one_of(valid, valid, mutated, ANY_JSON)
+    # and sparse ones (the required fields and at most two others), which reach generation more often
+    # than bodies that give every optional field a random value
+    obj = defs[schema["$ref"].rsplit("/", 1)[-1]] if "$ref" in schema else schema
+    required = set(obj.get("required", ()))
+    fields = {k: from_schema(v, defs, 1) for k, v in obj.get("properties", {}).items()}
+    if "messages" in fields:  # (a random message list is rarely a valid conversation)
+        fields["messages"] = fields["messages"] | st.just([{"role": "user", "content": "hello"}])
+    sparse = st.lists(st.sampled_from(sorted(set(fields) - required)), max_size=2, unique=True).flatmap(
+        lambda ks: st.fixed_dictionaries({k: fields[k] for k in sorted(required | set(ks))}))
+    return st.one_of(valid, valid, mutated, ANY_JSON, sparse)
 
 
 def _check(srv, path: str, body: Any) -> None:
