@@ -7,6 +7,7 @@ cached on disk by file fingerprint, so a second start skips the slow conversion.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from isolab.paths import user_cache
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 
@@ -68,6 +71,10 @@ class Tokenizer:
         _release_construction_tables(self._tok)
         if default_template and not getattr(self._tok, "chat_template", None):
             self._tok.chat_template = default_template
+            # (a base model's GGUF carries none, as Gemma 3 270M's does not: chat requests then format
+            # prompts for a model that was never tuned to answer them)
+            log.warning("%s carries no chat template: chat requests use the model family's own; a base "
+                        "(pretrained, not instruction-tuned) model may not follow them", gguf_path.name)
         self.eos_token_id: int | None = self._tok.eos_token_id
         # tokens that end a chat turn besides EOS (Gemma's <end_of_turn>): the engine stops on them too,
         # as transformers' generation configs list them beside EOS

@@ -47,6 +47,7 @@ class TinySpec:
     tied: bool = True
     sliding_window: int = 0  # gemma3: the local layers' window (5 of every 6 layers are local)
     vocab_size_key: bool = True  # write {arch}.vocab_size (else readers take the token list's length, as Gemma's file)
+    chat_template: bool = True  # write the ChatML template (a base model's file may carry none)
 
 
 def tiny_vocab() -> list[str]:
@@ -55,7 +56,7 @@ def tiny_vocab() -> list[str]:
     return toks
 
 
-def _write_tokenizer(w, vocab_size_key: bool = True) -> None:
+def _write_tokenizer(w, vocab_size_key: bool = True, chat_template: bool = True) -> None:
     """The byte-level BPE tokenizer and ChatML template, as GGUF metadata."""
     vocab = tiny_vocab()
     if vocab_size_key:
@@ -69,7 +70,8 @@ def _write_tokenizer(w, vocab_size_key: bool = True) -> None:
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template:
+        w.add_chat_template(CHAT_TEMPLATE)
 
 
 # transformers' Llama-style decoder (Qwen2, Qwen3) -> llama.cpp's tensor names
@@ -157,7 +159,7 @@ def write_tiny_llama(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         w.add_sliding_window(spec.sliding_window)
         w.add_key_length(hd)
         w.add_value_length(hd)
-    _write_tokenizer(w, spec.vocab_size_key)
+    _write_tokenizer(w, spec.vocab_size_key, spec.chat_template)
 
     qtype = getattr(gguf.GGMLQuantizationType, spec.qtype)
 

@@ -69,3 +69,17 @@ def test_token_bytes_are_llguidances_for_every_token(which, tiny_bundle, real_bu
     assert len(differ) <= 1 and all(ours[i] == b"\xff" and ll.decode_bytes([i]) == b"" for i in differ)
     split = tok.token_bytes(tok.encode("\U0001f44b", add_special_tokens=False))
     assert b"".join(split) == "\U0001f44b".encode()
+
+
+def test_a_family_template_for_a_file_without_one_is_said(tmp_path, caplog):
+    """A GGUF with no chat template (a base model's, as Gemma 3 270M's) gets its family's, and the log
+    says so: chat requests format prompts for a model that may never have been tuned to answer them."""
+    from isolab.testing.tiny_model import TinySpec, write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny-base.gguf", TinySpec(layers=1, chat_template=False))
+    fingerprint = load_gguf(path).fingerprint
+    with caplog.at_level("WARNING", logger="isolab.models.tokenizer"):
+        Tokenizer(path, fingerprint)  # no family template given: nothing to say
+        assert not caplog.records
+        tok = Tokenizer(path, fingerprint, default_template="{{ messages[0]['content'] }}")
+    assert tok.has_chat_template and "carries no chat template" in caplog.text and "tiny-base.gguf" in caplog.text
