@@ -62,9 +62,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     explore.set_defaults(func=_explore)
 
     bench = sub.add_parser("bench", help="QPS per variant at 8 threads side by side, and explorer executions/s")
-    bench.add_argument("--requests", type=int, default=100_000, help="check() calls per QPS run (default: 100000)")
+    bench.add_argument("--requests", type=int, default=100_000,
+                       help="check() calls per QPS run (default: 100000); the service part sends 8 %% of them")
     bench.add_argument("--repeat", type=int, default=3, help="QPS runs per variant (default: 3)")
-    bench.add_argument("--threads", type=int, default=8, help="threads of every QPS run (default: 8)")
+    bench.add_argument("--threads", type=int, default=8,
+                       help="threads of every QPS run and the service part's clients (default: 8)")
     bench.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     bench.set_defaults(func=_bench)
 
@@ -85,6 +87,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--window", type=float, default=60.0,
                        help="rate-limit window in seconds, at most a day (default: 60)")
     serve.add_argument("--scrypt-n", type=int, default=2**14, help="scrypt cost (a power of two)")
+    serve.add_argument("--quiet", action="store_true",
+                       help="no line a request on stderr (its client, route, status and verdict): warnings only")
     serve.set_defaults(func=_serve)
 
 
@@ -229,4 +233,5 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from isolab.race.service import serve_forever
 
-    return serve_forever(args.variant, args.host, args.port, args.max_attempts, args.window, args.scrypt_n)
+    return serve_forever(args.variant, args.host, args.port, args.max_attempts, args.window, args.scrypt_n,
+                         quiet=args.quiet)

@@ -240,7 +240,8 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
     return server
 
 
-def serve_forever(variant: str, host: str, port: int, max_attempts: int, window: float, scrypt_n: int) -> int:
+def serve_forever(variant: str, host: str, port: int, max_attempts: int, window: float, scrypt_n: int,
+                  quiet: bool = False) -> int:
     check_settings(port, max_attempts, window)
     passcode = os.environ.get("ISOLAB_PASSCODE")
     if not passcode or not passcode.strip():  # (spaces were taken as the passcode)
@@ -249,7 +250,7 @@ def serve_forever(variant: str, host: str, port: int, max_attempts: int, window:
     if not host.strip():  # ("" listened on every interface, and the banner said http://:PORT)
         raise InvalidRequestError("--host is empty: give an address (127.0.0.1, or 0.0.0.0 for every interface)",
                                   field="host")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = make_server(variant, passcode, host, port, max_attempts, window, scrypt_n)
     print(f"passcode service ({variant}) on http://{host}:{server.server_address[1]}  POST /check", file=sys.stderr)
     try:

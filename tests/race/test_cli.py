@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,29 @@ def test_a_passcode_of_spaces_and_an_empty_host_are_refused(monkeypatch, capsys,
     monkeypatch.setenv("ISOLAB_PASSCODE", env)
     assert main(["passcode", "serve", "--port", "0", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_passcode_serve_quiet_logs_no_line_a_request(quiet):
+    """Each request is a line on stderr (client, route, status, verdict; never the passcode);
+    --quiet leaves warnings only."""
+    import os
+    import re
+    import subprocess
+
+    import httpx
+
+    env = dict(os.environ, ISOLAB_PASSCODE="lab-secret-1")
+    proc = subprocess.Popen([sys.executable, "-m", "isolab.cli", "passcode", "serve", "--port", "0",
+                             "--scrypt-n", "2", *(["--quiet"] if quiet else [])], stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        banner = proc.stderr.readline()
+        port = int(re.search(r":(\d+)\s", banner).group(1))
+        for guess in ("lab-secret-1", "wrong-guess-2"):
+            assert httpx.post(f"http://127.0.0.1:{port}/check", json={"passcode": guess}).status_code == 200
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "lab-secret-1" not in err and "wrong-guess-2" not in err
+    assert ("check accepted=" in err) is not quiet, err
