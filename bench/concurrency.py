@@ -5,7 +5,7 @@ through LLMEngine with at most C in flight (isolab/bench/engine_bench.py), with 
 defaults a user gets. The GEMM share of a step at C rows is bench/step_profile.py's.
 
     .venv/bin/python bench/concurrency.py [--concurrency 1,8,32,128,256] [--dtype bf16] [--kv-cache-dtype int8]
-        [--max-num-batched-tokens N]
+        [--max-num-batched-tokens N] [--max-prefill-tokens N]
 
 Writes bench/results/concurrency_DTYPE[_kvint8].json. Run it alone (2 cores).
 """
@@ -33,6 +33,8 @@ def main() -> int:
     ap.add_argument("--weights", default="auto", choices=("auto", "native", "dense"))
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens a step computes (the engine's default when not given)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="prompt tokens a step computes at most (default: no cap besides the step's budget)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     bundle = load_bundle(None, args.dtype, weights=args.weights)
@@ -40,6 +42,8 @@ def main() -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         # the defaults a user gets (the K/V pool's dtype as asked)
         budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+        if args.max_prefill_tokens is not None:
+            budget["max_prefill_tokens"] = args.max_prefill_tokens
         engine = LLMEngine(build_engine_config(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, **budget), bundle)
         wl = make_workload(WorkloadSpec(num_requests=max(2 * c, 4), prompt_len=(64, 256), output_len=(128, 128),
                                         seed=c))
@@ -53,7 +57,8 @@ def main() -> int:
     out = Path(args.out or Path(__file__).parent / "results" / f"concurrency_{args.dtype}{kv}.json")
     out.write_text(json.dumps({"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "weights": bundle.weights,
                                "numerics": bundle.model.numerics.numerics,
-                               "max_num_batched_tokens": args.max_num_batched_tokens or "default", "rows": rows}, indent=2))
+                               "max_num_batched_tokens": args.max_num_batched_tokens or "default",
+                               "max_prefill_tokens": args.max_prefill_tokens, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 

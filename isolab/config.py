@@ -87,6 +87,10 @@ class SchedulerConfig:
     # (bench/step_profile.py), so the limit is set by the KV pool, not by a small constant.
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 512  # tokens computed per step (prompt chunks + decode tokens)
+    # prompt tokens a step computes at most, within max_num_batched_tokens (a request's chunk of more than
+    # one token: its prompt, or its prompt and output again after a preemption); None: no cap of its own.
+    # Bounds the step, hence every stream's gap between tokens, without holding back decodes.
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -96,6 +100,9 @@ class SchedulerConfig:
             raise InvalidRequestError("max_num_seqs must be at least 1", field="max_num_seqs")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be at least 1", field="max_num_batched_tokens")
+        if self.max_prefill_tokens is not None and (not is_whole(self.max_prefill_tokens) or self.max_prefill_tokens < 2):
+            raise InvalidRequestError(f"max_prefill_tokens must be a whole number of at least 2 (or unset), not "
+                                      f"{self.max_prefill_tokens!r}", field="max_prefill_tokens")
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ def build_engine_config(
     kv_cache_dtype: str = "auto",
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: int = 512,
+    max_prefill_tokens: int | None = None,
     max_model_len: int | None = None,
     audit: bool = False,
     inject_faults: str | Iterable[str] = (),
@@ -158,7 +166,7 @@ def build_engine_config(
     return EngineConfig(
         model=model, dtype=dtype, device=device, gemm=gemm, weights=weights,
         cache=CacheConfig(block_size, kv_cache_memory, enable_prefix_caching, window_cache, kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_prefill_tokens),
         max_model_len=max_model_len, audit=audit, trace_path=trace_path,
         inject_faults=fault_names(inject_faults),
     )

@@ -56,6 +56,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = 512,
+        max_prefill_tokens: int | None = None,
         max_model_len: int | None = None,
         audit: bool = False,
         inject_faults: str | Sequence[str] = (),
@@ -66,7 +67,8 @@ class LLM:
             model=model, dtype=dtype, device=device, gemm=gemm, weights=weights, kv_cache_memory=kv_cache_memory,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching, window_cache=window_cache,
             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, audit=audit,
+            max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
+            max_model_len=max_model_len, audit=audit,
             inject_faults=inject_faults, trace_path=trace_path,  # (one name or several: config.fault_names)
         )
         self.engine = LLMEngine(self.config, bundle)

@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "numbers off the reference by the rounding; docs/engine.md)")
     g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="prompt tokens a step computes at most, decodes not counted (default: no cap besides "
+                        "--max-num-batched-tokens): a smaller step, so a shorter gap between tokens under load")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="tokens a request may hold, prompt and output (default: the model's context length)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
@@ -96,6 +99,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         audit=args.audit,
         inject_faults=tuple(args.inject_fault),

@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 # Engine flags selftest does not take: every scenario builds its own engines, with the pool, block
 # size and limits its fault needs, and runs each one with and without the fault and with and without
 # audit; --fault picks scenarios. Their dests: refused with a sentence when not the default.
-_NOT_TAKEN = frozenset({"block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                        "no_prefix_cache", "no_window_cache", "audit", "inject_fault", "trace"})
+_NOT_TAKEN = frozenset({"block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens",
+                        "max_model_len", "no_prefix_cache", "no_window_cache", "audit", "inject_fault", "trace"})
 
 
 def _refuse_untaken_flags(args: argparse.Namespace) -> None:

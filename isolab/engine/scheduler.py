@@ -53,6 +53,8 @@ class Scheduler:
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        cap = self.config.max_prefill_tokens
+        prefill = budget if cap is None else min(cap, budget)  # prompt tokens left this step (chunks of 2+)
         chunks: list[ScheduledChunk] = []
         preempted = False
 
@@ -60,8 +62,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"request {req.request_id} is running with nothing to compute"
+            missing = req.num_tokens - req.num_computed_tokens
+            assert missing > 0, f"request {req.request_id} is running with nothing to compute"
+            n = min(missing, budget) if missing == 1 else min(missing, budget, prefill)
+            if n == 0:  # a prompt chunk, and the step's prompt tokens are spent: decodes after it still run
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, req.num_computed_tokens, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -71,6 +77,7 @@ class Scheduler:
             else:
                 chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
                 budget -= n
+                prefill -= n if missing > 1 else 0
                 i += 1
                 continue
             break  # req itself was preempted: nothing after it can run either
@@ -79,7 +86,10 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             prefix = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - prefix.num_tokens, budget)
+            missing = req.num_tokens - prefix.num_tokens
+            n = min(missing, budget) if missing == 1 else min(missing, budget, prefill)
+            if n == 0:
+                break
             if not self.kv.allocate_slots(req, prefix.num_tokens, n, prefix):
                 break
             self.kv.count_admission(req, prefix)
@@ -91,6 +101,7 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, prefix.num_tokens, n))
             budget -= n
+            prefill -= n if missing > 1 else 0
 
         return SchedulerOutput(tuple(chunks))
 

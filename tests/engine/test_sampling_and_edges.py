@@ -243,6 +243,8 @@ def test_engine_options_of_the_wrong_kind_are_one_sentence():
                        (dict(block_size=16.0), "block_size must be a whole number"),
                        (dict(block_size=3), "block_size must be even"),
                        (dict(max_num_seqs=2.0), "max_num_seqs must be a whole number"),
+                       (dict(max_prefill_tokens=1), "max_prefill_tokens must be a whole number of at least 2"),
+                       (dict(max_prefill_tokens=8.5), "max_prefill_tokens must be a whole number of at least 2"),
                        (dict(model=123), "model must be a GGUF path")):
         with pytest.raises(InvalidRequestError, match=needle):
             build_engine_config(**kw)

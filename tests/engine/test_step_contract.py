@@ -137,3 +137,43 @@ def test_update_reports_finished_requests_and_frees_them(llm):
     eng.abort("u2")
     eng.requests.pop("u1", None)  # we drove the scheduler by hand: forget u1 as step() would
     assert eng.kv.num_held_blocks() == 0
+
+
+def test_a_prefill_cap_bounds_a_steps_prompt_tokens_and_never_holds_back_decodes(tiny_bundle):
+    """--max-prefill-tokens: a step computes at most that many prompt tokens (chunks of 2 or more),
+    every running decode still gets its token, and no output changes (chunking changes no bit)."""
+    prompts = {"d": list(range(5, 9)), "p1": list(range(10, 40)), "p2": list(range(40, 70))}
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(cap: int | None) -> tuple[list[list[tuple[str, int]]], dict[str, list[int]]]:
+        eng = LLM(bundle=tiny_bundle, max_num_batched_tokens=64, max_prefill_tokens=cap).engine
+        steps: list[list[tuple[str, int]]] = []
+        schedule = eng.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            steps.append([(c.request.request_id, c.num_new_tokens) for c in out.chunks])
+            return out
+
+        eng.scheduler.schedule = spy
+        eng.add_request("d", prompts["d"], params)
+        outs: dict[str, list[int]] = {}
+        for o in eng.step():  # d's prompt; then the long prompts arrive while it decodes
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.add_request("p1", prompts["p1"], params)
+        eng.add_request("p2", prompts["p2"], params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        eng.close()
+        return steps, outs
+
+    capped, out_capped = run(8)
+    free, out_free = run(None)
+    assert out_capped == out_free and set(out_free) == set(prompts)
+    assert free[1] == [("d", 1), ("p1", 30), ("p2", 30)]  # without a cap the budget takes both prompts at once
+    for step in capped:
+        assert sum(n for _, n in step if n > 1) <= 8, step
+    # d decodes in each of the next 7 steps (8 tokens, the first from its prompt), beside capped prompt chunks
+    assert all(("d", 1) in step for step in capped[1:8]) and not any(r == "d" for step in capped[8:] for r, _ in step)
+    assert capped[1] == [("d", 1), ("p1", 8)]  # p2 waits for prompt tokens, not for d
