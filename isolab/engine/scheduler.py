@@ -10,7 +10,10 @@ The scheduler is the only writer of a request's num_computed_tokens, status and 
 
 There is no prefill or decode phase. Each running request computes min(missing, budget) tokens,
 where missing = num_tokens - num_computed_tokens; prompt chunks and decode tokens share one
-token budget per step. Ordering rules, applied in schedule():
+token budget per step. With max_prefill_tokens set, chunks of two or more tokens (prompts, and
+recomputations after a preemption) also share that smaller allowance: a running request whose
+chunk gets none this step waits, and the decodes after it still run. Ordering rules, applied in
+schedule():
   1. running requests first, in admission order (older first);
   2. when blocks run out, the newest running request is preempted (its blocks freed, its
      num_computed_tokens reset to 0; it recomputes prompt + output later and, having its own
