@@ -61,6 +61,7 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
     sub = logits[idx]  # (B, V), a copy
     B, V = sub.shape
     dev = sub.device
+    broken = torch.isnan(sub).any(dim=-1)  # (B,): a NaN the masks below would cover still fails its row
 
     def rows_and_tokens(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [b for b, toks in enumerate(token_lists) for _ in toks]
@@ -96,6 +97,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
     grammar_rows = [b for b, r in enumerate(reqs) if r.matcher is not None]
     if grammar_rows:  # last: nothing above may let a token through that the grammar forbids
         sub[grammar_rows] = _grammar_mask(sub[grammar_rows], [reqs[b].matcher for b in grammar_rows], eos_token_id)
+    if bool(broken.any()):  # (a grammar or min_tokens had set the NaN to -inf: the row sampled on as if sound)
+        sub[broken] = float("nan")
     out = logits.clone()
     out[idx] = sub
     return out

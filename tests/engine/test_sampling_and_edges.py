@@ -412,19 +412,23 @@ def test_a_call_back_into_the_llm_from_on_step_is_refused_not_a_hang(tiny_bundle
 
 
 @pytest.mark.parametrize("temperature,top_k,nans", [(0.0, -1, "row"), (1.0, -1, "row"), (0.0, -1, "one"),
-                                                   (1.0, -1, "one"), (1.0, 2, "one")])
+                                                   (1.0, -1, "one"), (1.0, 2, "one"), (0.0, -1, "masked"),
+                                                   (1.0, -1, "masked")])
 def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, monkeypatch, temperature, top_k, nans):
     """Broken weights (NaN in a tensor): torch.multinomial raised for the whole batch, and a greedy row
     took token 0 forever. The request whose row is NaN (all of it, or one logit: the argmax takes a
-    NaN, as torch's does, and a softmax over it is NaN) fails with a sentence; the one beside it gets
-    its solo tokens."""
+    NaN, as torch's does, and a softmax over it is NaN; or one logit its grammar forbids, which the
+    mask had covered with -inf) fails with a sentence; the one beside it gets its solo tokens."""
     from isolab.errors import IsolabError
+    from isolab.sampling_params import GrammarSpec
 
     llm = LLM(bundle=tiny_bundle, kv_cache_memory=1 << 20)
-    sp = SamplingParams(max_tokens=6, temperature=temperature, seed=3, top_k=top_k)
+    grammar = GrammarSpec.choice(["ab", "ba"]) if nans == "masked" else None
+    sp = SamplingParams(max_tokens=6, temperature=temperature, seed=3, top_k=top_k, structured=grammar)
     solo = llm.generate("a b c", sp)[0]
     model = llm.engine.runner.model
     real = model.logits_raw
+    forbidden = llm.tokenizer.encode("z", add_special_tokens=False)[0]  # no choice starts with it
 
     def poisoned(hidden):
         out = real(hidden).clone()
@@ -432,7 +436,7 @@ def test_a_row_of_nan_logits_fails_its_request_alone_in_a_sentence(tiny_bundle, 
             if nans == "row":
                 out[0] = float("nan")
             else:
-                out[0, 7] = float("nan")
+                out[0, forbidden if nans == "masked" else 7] = float("nan")
         return out
 
     monkeypatch.setattr(model, "logits_raw", poisoned)
