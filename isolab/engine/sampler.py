@@ -61,7 +61,6 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
     sub = logits[idx]  # (B, V), a copy
     B, V = sub.shape
     dev = sub.device
-    broken = torch.isnan(sub).any(dim=-1)  # (B,): a NaN the masks below would cover still fails its row
 
     def rows_and_tokens(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [b for b, toks in enumerate(token_lists) for _ in toks]
@@ -88,16 +87,19 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_token_id: 
         sub[rows, toks] += vals  # one entry per (row, token): no accumulation order to fix
     ends = ([eos_token_id] if eos_token_id is not None else []) + sorted(end_of_turn)
     banned = [ends + list(r.params.stop_token_ids) if len(r.output_token_ids) < r.params.min_tokens else [] for r in reqs]
+    grammar_rows = [b for b, r in enumerate(reqs) if r.matcher is not None]
+    # (B,): a NaN that the masks below would cover with -inf still fails its row (checked only where one applies:
+    # elsewhere the argmax or the softmax meets the NaN)
+    broken = torch.isnan(sub).any(dim=-1) if any(banned) or grammar_rows else None
     if any(banned):
         rows, toks = rows_and_tokens([[t for t in b if t < V] for b in banned])
         sub[rows, toks] = float("-inf")
     dead = torch.isneginf(sub).all(dim=-1)  # every token masked (stop_token_ids naming the vocabulary):
     if bool(dead.any()):  # the request asked for the impossible; it samples from its raw row instead
         sub[dead] = logits[idx][dead]
-    grammar_rows = [b for b, r in enumerate(reqs) if r.matcher is not None]
     if grammar_rows:  # last: nothing above may let a token through that the grammar forbids
         sub[grammar_rows] = _grammar_mask(sub[grammar_rows], [reqs[b].matcher for b in grammar_rows], eos_token_id)
-    if bool(broken.any()):  # (a grammar or min_tokens had set the NaN to -inf: the row sampled on as if sound)
+    if broken is not None and bool(broken.any()):  # (the mask had hidden it: the row sampled on as if sound)
         sub[broken] = float("nan")
     out = logits.clone()
     out[idx] = sub

@@ -157,8 +157,8 @@ def run_bench(requests: int = 100_000, repeat: int = 3, threads: int = 8, json_p
     print(f"QPS at {threads} threads, {requests:,} requests per run, {repeat} interleaved runs", file=sys.stderr)
     qps = qps_side_by_side(requests, repeat, threads)
     explorer = explorer_speed()
-    # the service over loopback: its HTTP costs ~50x a check, so it sends 8 % of the requests, from as many clients
-    # as the QPS runs have threads
+    # the service over loopback: a request over HTTP costs ~30 checks (bench/results/race.json), so it sends 8 % of
+    # the requests, from as many clients as the QPS runs have threads
     service_requests = max(threads, requests * 8 // 100)
     service = {v: vars(loopback_load(v, clients=threads, requests=service_requests, switch_interval=1e-5))
                for v in ("buggy", "lock_local")}

@@ -25,8 +25,11 @@ def test_rows_do_not_depend_on_the_growth_history():
         for n in (1, 7, 300, 301, 1000, 4097, 5000):  # a history of small requests, then long ones
             c, s = grown.upto(n)
             assert c.shape[0] >= n and torch.equal(c[:n], cos[:n]) and torch.equal(s[:n], sin[:n])
-        ref_cos, ref_sin = _full(base, dh, 5000)  # and the whole-table computation agrees
-        assert torch.equal(cos[:5000], ref_cos) and torch.equal(sin[:5000], ref_sin)
+        # and every row is its own position's (a chunk computed at the wrong offset is far off); within an ulp
+        # only: how torch splits one large cos/sin between threads and vector tails is its own business
+        ref_cos, ref_sin = _full(base, dh, 5000)
+        assert torch.allclose(cos[:5000], ref_cos, rtol=0, atol=1e-6) and torch.allclose(sin[:5000], ref_sin, rtol=0,
+                                                                                         atol=1e-6)
 
 
 def test_tables_start_empty_and_grow_in_whole_chunks_to_the_limit():
