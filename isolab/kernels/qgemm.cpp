@@ -176,6 +176,54 @@ static void quantize_row(const T* a, int K, QA* out) {
         o.s16[1] = s1;
     }
 }
+#elif defined(__AVX2__)
+static inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_ps(const uint16_t* p) {  // bf16 -> fp32, exact
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// The scalar loop below, 8 lanes at a time, the same bits, as the AVX-512 one is: max_ps(|x|, m) keeps
+// m where |x| is NaN; cvtps_epi32 rounds to nearest even and gives INT_MIN where (int) does; the sums
+// are of those int32s (wrapping adds, any order); each q byte is its int32's low byte (the int8_t
+// cast), taken by masking and two packs that cannot saturate (0..255), then put back in order.
+template <typename T>
+static void quantize_row(const T* a, int K, QA* out) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i low = _mm256_set1_epi32(0xff), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < K / QK; b++) {
+        __m256 x[4];
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            x[i] = load8_ps(a + (long)b * QK + 8 * i);
+            m = _mm256_max_ps(_mm256_and_ps(x[i], absmask), m);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], vid));
+        const __m256i s0v = _mm256_add_epi32(q[0], q[1]), s1v = _mm256_add_epi32(q[2], q[3]);
+        auto hsum = [](__m256i v) {
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            return _mm_cvtsi128_si32(t);
+        };
+        const __m256i p01 = _mm256_packus_epi32(_mm256_and_si256(q[0], low), _mm256_and_si256(q[1], low));
+        const __m256i p23 = _mm256_packus_epi32(_mm256_and_si256(q[2], low), _mm256_and_si256(q[3], low));
+        // dwords: q0[0..3] q1[0..3] q2[0..3] q3[0..3] q0[4..7] q1[4..7] q2[4..7] q3[4..7]
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(p01, p23), order);
+        QA& o = out[b];
+        _mm256_storeu_si256((__m256i*)o.q, bytes);
+        const int32_t s0 = hsum(s0v), s1 = hsum(s1v);
+        o.d = amax / 127.0f;
+        o.xs = o.d * (float)(s0 + s1);
+        o.s16[0] = s0;
+        o.s16[1] = s1;
+    }
+}
 #else
 template <typename T>
 static void quantize_row(const T* a, int K, QA* out) {

@@ -163,7 +163,19 @@ for fmt, fp16 in [(Q.U4, True), (Q.U4, False), (Q.S8, True), (Q.S8G16, False)]:
     x = torch.randn(13, 576, generator=torch.Generator().manual_seed(1))
     h.update(kernels.qgemm(x, p, fmt, fp16, 100, torch.float32).numpy().tobytes())
     h.update(kernels.qgemm(x[:1].bfloat16(), p, fmt, fp16, 100, torch.bfloat16).view(torch.int16).numpy().tobytes())
-print(kernels.qgemm_isa(), h.hexdigest())
+# activation quantization on every ISA's own path, NaN and infinities included (outside the reference)
+x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(4))
+x[0, :32] = 0.0
+x[1, 32:64] = 1e-30
+x[2, 64:96] = torch.linspace(-3e4, 3e4, 32)
+x[3, 96:128] = torch.arange(32) - 15.5
+x[4, 5], x[4, 40], x[4, 70], x[4, 71] = float("nan"), float("inf"), float("-inf"), float("nan")
+x[4, 127] = x[4, 152] = float("nan")  # a block's last k's and a middle one: a vector loop's last and first
+g = hashlib.sha256()
+for t in (x, x.bfloat16()):
+    for part in kernels.quantize_rows(t):
+        g.update(part.numpy().tobytes())
+print(kernels.qgemm_isa(), h.hexdigest(), g.hexdigest())
 """
 
 
@@ -172,12 +184,14 @@ def test_every_isa_level_gives_the_same_bits():
     results agree bit for bit; the torch reference too (every level, the AMX one included)."""
     levels = kernels.isa_levels()
     seen: dict[str, str] = {}
+    quantize_seen: dict[str, str] = {}  # the activations' blocks, NaN and infinities included
     for level in levels:
         env = {**os.environ, "ISOLAB_KERNEL_ISA": level}
         out = subprocess.run([sys.executable, "-c", HASH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        isa, digest = out.stdout.split()
+        isa, digest, quantized = out.stdout.split()
         seen[f"{level}:{isa}"] = digest
+        quantize_seen[f"{level}:{isa}"] = quantized
     h = hashlib.sha256()
     for fmt, fp16 in FORMATS:
         u = Q.random_unpacked(fmt, 100, 576, fp16, seed=3)
@@ -188,6 +202,7 @@ def test_every_isa_level_gives_the_same_bits():
     seen["torch-reference"] = h.hexdigest()
     assert len(set(seen.values())) == 1, seen
     assert len(seen) >= 3  # native, generic and the reference at least
+    assert len(set(quantize_seen.values())) == 1, quantize_seen
 
 
 @pytest.mark.parametrize("fmt,fp16", FORMATS)
