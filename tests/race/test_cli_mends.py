@@ -182,3 +182,26 @@ def test_an_existing_file_or_a_pipe_is_written_in_place(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     check_output_path(tmp_path / "x.json", "--json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]  # and the folder check left nothing
+
+
+# -- race bench's service part follows --threads and --requests -------------------------------------
+@pytest.mark.parametrize("threads,requests,expected", [(3, 300, 24), (5, 40, 5)])
+def test_race_bench_service_part_follows_threads_and_requests(monkeypatch, capsys, threads, requests, expected):
+    """The service over loopback runs as many clients as the QPS runs have threads, 8 % of the
+    requests (at least one a client): it ran a fixed 8 clients and 8,000 requests before."""
+    from isolab.race import bench
+
+    calls: list[tuple[str, int, int]] = []
+    real = bench.loopback_load
+
+    def recording(variant: str, clients: int = 8, requests: int = 2000, **kw):
+        calls.append((variant, clients, requests))
+        return real(variant, clients=clients, requests=requests, **kw)
+
+    monkeypatch.setattr(bench, "loopback_load", recording)
+    monkeypatch.setattr(bench, "explorer_speed", lambda: {})  # its own tests: tests/race/test_explorer.py
+    payload = bench.run_bench(requests=requests, repeat=1, threads=threads)
+    assert calls == [("buggy", threads, expected), ("lock_local", threads, expected)]
+    for row in payload["service"].values():
+        assert row["requests"] == expected - expected % threads  # each client sends requests // clients
+    assert payload["threads"] == threads and "service buggy" in capsys.readouterr().out
