@@ -22,6 +22,7 @@ decodes the whole output once, so the deltas always add up to exactly the final 
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Sequence
 
@@ -115,6 +116,17 @@ class Detokenizer:
         if len(self.ids) < self.min_tokens:  # the text of the first min_tokens - 1 tokens: not checked
             self._checked_from = len(self.text)
         return new
+
+    def checkable(self) -> str:
+        """The pending text a stop string may match now: all of it, less the U+FFFD that stands for a
+        character whose next bytes have not come yet (it is no text anyone is sent: those bytes
+        replace it). Bytes that can never form a character stay U+FFFD in the final text: kept."""
+        if not self.pending.endswith("\ufffd"):
+            return self.pending
+        tail = b"".join(self.tok.token_bytes(self.ids[self._read_offset :]))
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        dec.decode(tail, final=False)
+        return self.pending[:-1] if dec.getstate()[0] else self.pending
 
     def finish(self) -> str:
         """The remaining delta once the request has finished."""

@@ -177,7 +177,9 @@ class GrammarCompiler:
 
     def matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
         """A fresh matcher: this request's own parser state, never shared."""
-        m = self._ll.LLMatcher(self.lltok, compiled.grammar)
+        # log_level 0: its errors come back through get_error() into the request's 400, not to stderr,
+        # where a warning line would carry output text past the server's logger
+        m = self._ll.LLMatcher(self.lltok, compiled.grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"the grammar could not start: {m.get_error()}", field="response_format")
         return m

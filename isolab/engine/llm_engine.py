@@ -139,7 +139,7 @@ class LLMEngine:
                 hi = mid - 1
         self.max_request_tokens = lo
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tokenizer.eos_token_id, self.max_model_len,
-                                   end_of_turn=self.tokenizer.end_of_turn_ids)
+                                   end_of_turn=self.tokenizer.end_of_turn_ids, is_special=self.tokenizer.is_skipped)
         self.runner = ModelRunner(self.model, self.storage, self.kv, faults, self.tokenizer.eos_token_id, self.kv_groups,
                                   self.tokenizer.end_of_turn_ids)
         self.auditor = Auditor(self.kv, self.storage) if config.audit else None

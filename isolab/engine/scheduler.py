@@ -26,6 +26,7 @@ schedule():
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from isolab.config import SchedulerConfig
@@ -43,6 +44,7 @@ class Scheduler:
     eos_token_id: int | None
     max_model_len: int
     end_of_turn: frozenset[int] = frozenset()  # tokens that stop a request like EOS (Tokenizer.end_of_turn_ids)
+    is_special: Callable[[int], bool] = lambda token: False  # a token the text leaves out (Tokenizer.is_skipped)
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
@@ -158,10 +160,17 @@ class Scheduler:
             if not req.matcher.is_error():
                 req.matcher.consume_token(token)
             if req.matcher.is_error():  # no token continues it (the sampler ended the row): no valid reply
-                req.error = InvalidRequestError(
-                    f"the output grammar reached a state that no token continues "
-                    f"({str(req.matcher.get_error()).partition(chr(10))[0][:200] or 'no reason given'}): "
-                    "is the schema satisfiable?", field=getattr(req.params.structured, "field", None))
+                if self.is_special(token):
+                    # llguidance offers forced text that spells a special token only as that token, and
+                    # then refuses it (it wants the text's bytes): a grammar that forces "<|im_end|>"
+                    why = (f"the output grammar forces text that spells a special token (id {token}); the "
+                           "grammar library offers it only as that token and then refuses it, so constants, "
+                           "choices and patterns cannot hold special-token text such as <|im_end|>")
+                else:
+                    why = (f"the output grammar reached a state that no token continues "
+                           f"({str(req.matcher.get_error()).partition(chr(10))[0][:200] or 'no reason given'}): "
+                           "is the schema satisfiable?")
+                req.error = InvalidRequestError(why, field=getattr(req.params.structured, "field", None))
                 req.stop_reason = "grammar_error"
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 return True
@@ -170,8 +179,10 @@ class Scheduler:
         if req.detokenizer is not None:  # only requests with stop strings decode here
             det = req.detokenizer
             new = det.decode((token,))
-            # what a full decode shows now; only its last new + pending characters are unchecked
-            text, new_len = det.text + det.pending, len(new) + len(det.pending)
+            # what a full decode shows now, less the U+FFFD of a character still being completed (no
+            # one is sent it: its next bytes replace it); only the last new + pending are unchecked
+            pending = det.checkable()
+            text, new_len = det.text + pending, len(new) + len(pending)
         decision = check_stop(
             req.params, token, num_output_tokens=len(req.output_token_ids), num_tokens=req.num_tokens,
             eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, end_of_turn=self.end_of_turn, text=text, new_text_len=new_len,

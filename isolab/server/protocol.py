@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, StrictBool, StrictInt, model_validator
 
 from isolab.sampling_params import MAX_TOP_LOGPROBS
 from isolab.server.refused import REFUSED, RefusedField
@@ -27,7 +27,7 @@ MAX_STOP_CHARS = 1024  # characters a stop string may have
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
-Number = Annotated[float, Field(allow_inf_nan=False)]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]  # an int is a number; a bool or "0" is not (400)
 
 
 def refuse_lone_surrogates(data: Any) -> None:

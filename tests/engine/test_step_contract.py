@@ -177,3 +177,33 @@ def test_a_prefill_cap_bounds_a_steps_prompt_tokens_and_never_holds_back_decodes
     # d decodes in each of the next 7 steps (8 tokens, the first from its prompt), beside capped prompt chunks
     assert all(("d", 1) in step for step in capped[1:8]) and not any(r == "d" for step in capped[8:] for r, _ in step)
     assert capped[1] == [("d", 1), ("p1", 8)]  # p2 waits for prompt tokens, not for d
+
+
+def test_a_stop_string_never_matches_a_character_still_being_completed(llm):
+    """A character split across tokens decodes as U+FFFD until its last byte arrives; that U+FFFD is
+    no text anyone is sent, so a stop string cannot match it (stop "\\ufffd" ended "😀😀" after one
+    token). A stop string in the whole characters before it still counts at once."""
+    eng, tok = llm.engine, llm.tokenizer
+    emoji = tok.encode("😀😀", add_special_tokens=False)
+    assert len(emoji) > 2 and tok.decode(emoji[:1]).endswith("\ufffd"), "the emoji spans tokens here"
+
+    def run(ids: list[int], stop: tuple[str, ...]) -> tuple[RequestStatus, int]:
+        eng.add_request("e", [5, 6, 7], SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stop))
+        for i, t in enumerate(ids):
+            out = eng.scheduler.schedule()
+            sampled = tuple(SampledToken(c.request.request_id, t, None) for c in out.chunks if c.samples)
+            finished = eng.scheduler.update(out, ModelRunnerOutput(sampled))
+            if finished:
+                eng.requests.pop("e")
+                return finished[0].status, i + 1
+        raise AssertionError("never finished")
+
+    assert run(emoji, ("\ufffd",)) == (RequestStatus.FINISHED_LENGTH, len(emoji))
+    # a byte that can begin no character is U+FFFD in the final text: that one stops at once
+    lone = next(i for i in range(tok.vocab_size) if tok.token_bytes([i]) == [b"\x80"])
+    assert run([lone, *emoji], ("\ufffd",)) == (RequestStatus.FINISHED_STOPPED, 1)
+    a = tok.encode("a", add_special_tokens=False)
+    # "a" then the first bytes of the emoji in one token's window: the whole "a" is checked at once
+    status, n = run(a + emoji, ("a",))
+    assert status is RequestStatus.FINISHED_STOPPED and n == len(a)
+    assert eng.kv.num_held_blocks() == 0

@@ -63,6 +63,14 @@ def _nested(depth: int) -> dict:
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a b", "schema": {"type": "object"}}}}, "response_format.json_schema.name", "letters, digits"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, "prompt", "is empty"),
+    # a number field takes a number (an int is one), not a bool or a string, as the int fields do
+    ("/v1/chat/completions", {**CHAT, "temperature": True}, "temperature", "valid number"),
+    ("/v1/chat/completions", {**CHAT, "temperature": "0"}, "temperature", "valid number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_p": "0.5"}, "top_p", "valid number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_p": False}, "min_p", "valid number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "presence_penalty": "1"}, "presence_penalty",
+     "valid number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": "10"}}, "logit_bias.5", "valid number"),
     # an object schema the grammar compiler cannot take still fails there, naming the tools
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "banana"}}}}}]}, "tools", "the grammar is not valid"),
@@ -90,6 +98,20 @@ def test_a_grammar_no_token_continues_is_an_error_not_a_stop(srv):
                       timeout=120) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert sum('"error"' in line for line in lines) == 1 and lines[-1] == "data: [DONE]"
+    srv.wait_idle()
+    assert srv.metrics()["isolab_kv_blocks_used"] == 0
+
+
+def test_a_grammar_that_forces_a_special_tokens_text_says_so_and_writes_nothing_to_stderr(srv, capfd):
+    """llguidance offers forced text that spells a special token (<|im_end|>) only as that token, then
+    refuses it: the 400 says that (it asked whether the schema was satisfiable), and the library's own
+    warning line (which quotes output text) no longer goes to stderr past the server's logger."""
+    for extra in ({"guided_choice": ["<|im_end|>"]}, {"guided_regex": "<\\|im_start\\|>x"}):
+        r = _post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 12, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == next(iter(extra)) and "spells a special token" in err["message"], err
+    assert "Parser Error" not in capfd.readouterr().err
     srv.wait_idle()
     assert srv.metrics()["isolab_kv_blocks_used"] == 0
 
