@@ -19,6 +19,9 @@ def check_base_url(base_url: str, option: str = "--base-url") -> httpx.URL:
     if url.scheme not in ("http", "https") or not url.host:
         raise InvalidRequestError(f"{option} {base_url!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000",
                                   field=option.lstrip("-"))
+    if url.port is not None and not 0 < url.port < 65536:  # (it was an OverflowError's traceback at connect)
+        raise InvalidRequestError(f"{option} {base_url!r} is not a URL (port {url.port}: a port is 1 to 65535)",
+                                  field=option.lstrip("-"))
     path = url.path.rstrip("/")
     endpoint = next((e for e in ENDPOINTS if path.endswith(e)), None)
     if endpoint is not None:  # (it was '.../v1/completions/v1/models gave no model (HTTP 404)')

@@ -85,7 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    empty = _empty_option(list(sys.argv[1:] if argv is None else argv), args)
+    if empty is not None:  # (an unset $URL ran the engine in-process; --json "" wrote nothing, exit 0)
+        (_Parser.last or parser).error(f"{empty} is empty: give {EMPTY_REFUSED[empty]}")
     return guarded(lambda: int(args.func(args) or 0))
+
+
+# options whose value names a file or a server: an empty one is a mistake (an unset variable), not "not given"
+EMPTY_REFUSED = {"--json": "a file name", "--trace": "a file name", "--url": "the server's URL",
+                 "--base-url": "the server's URL"}
+
+
+def _empty_option(words: list[str], args: argparse.Namespace) -> str | None:
+    """The first of EMPTY_REFUSED given an empty value (`--json ""` or `--json=`), where it takes one."""
+    for i, word in enumerate(words):
+        name, eq, value = word.partition("=")
+        if name not in EMPTY_REFUSED or isinstance(getattr(args, name[2:].replace("-", "_"), None), bool):
+            continue
+        if (eq and value == "") or (not eq and i + 1 < len(words) and words[i + 1] == ""):
+            return name
+    return None
 
 
 def guarded(run: Callable[[], int]) -> int:

@@ -74,11 +74,13 @@ async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str
                 text = (await r.read()).decode("utf-8", "replace")
                 res.error = f"HTTP {r.status}: {text[:200]}"
                 return res
+            done = False
             async for raw in r.content:  # one line at a time
                 if not raw.startswith(b"data:"):
                     continue
                 data = raw[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 obj = json.loads(data)
                 if not isinstance(obj, dict):
@@ -87,10 +89,14 @@ async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str
                 if obj.get("error"):
                     res.error = str(obj["error"])[:200]
                     return res
-                usage = obj.get("usage")
+                usage, choices = obj.get("usage"), obj.get("choices") or []
+                if (usage is not None and not isinstance(usage, dict)) or not isinstance(choices, list) or not all(
+                        isinstance(c, dict) for c in choices):
+                    res.error = f"an event that is not an OpenAI completion chunk: {data[:100]!r}"
+                    return res
                 if usage and usage.get("completion_tokens") is not None:
                     res.usage_tokens = int(usage["completion_tokens"])
-                for choice in obj.get("choices") or ():
+                for choice in choices:
                     if choice.get("text"):
                         now = time.perf_counter()
                         if last is None:
@@ -99,8 +105,11 @@ async def _one(session: aiohttp.ClientSession, base: str, headers: dict[str, str
                             res.itl_s.append(now - last)
                         last = now
                         res.num_chunks += 1
+            if not done:  # an HTML page, a plain JSON reply, a stream cut short: not a completed stream
+                res.error = "HTTP 200 but no stream ending in data: [DONE] (not an OpenAI-compatible stream)"
+                return res
         res.ok = True
-    except (TimeoutError, aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, ValueError, TypeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         res.e2e_s = time.perf_counter() - start

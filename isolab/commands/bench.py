@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 
 from isolab.commands.common import add_engine_args, engine_flags_set, flags_set, llm_kwargs
@@ -36,6 +37,16 @@ def _whole(minimum: int):
 
 
 _positive, _at_least_zero = _whole(1), _whole(0)
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: need a positive number of seconds")
+    return x
 
 
 def _share(text: str) -> float:
@@ -89,6 +100,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="with --url: for servers without `ignore_eos` (llama.cpp); pair with --extra-body")
     p.add_argument("--extra-body", default=None, metavar="JSON",
                    help='with --url: fields merged into every request, e.g. \'{"logit_bias": {"2": -100}}\'')
+    p.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                   help="with --url: seconds to wait for a connection or for each part of a stream (600)")
 
 
 def _refuse_url_flags(args: argparse.Namespace) -> None:
@@ -135,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--extra-body must be a JSON object of request fields, not {args.extra_body}",
                                       field="extra_body")
         result["server"] = run_http_bench(args.url, args.api_key, args.served_model, wl.prompts, wl.max_tokens,
-                                          args.concurrency, ignore_eos=not args.no_ignore_eos, extra_body=extra)
+                                          args.concurrency, ignore_eos=not args.no_ignore_eos, extra_body=extra,
+                                          timeout_s=args.timeout)
         if result["server"]["completed"] == 0:
             raise IsolabError(f"no request completed against {args.url}: {(result['server']['errors'] or ['?'])[0]}")
         rows = [("server", result["server"])]

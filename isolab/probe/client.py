@@ -160,6 +160,9 @@ class ProbeClient:
                 if payload == "[DONE]":
                     break
                 chunk = json.loads(payload)
+                if not isinstance(chunk, dict) or not isinstance(chunk.get("choices") or [], list) or not all(
+                        isinstance(c, dict) and isinstance(c.get("logprobs") or {}, dict) for c in chunk.get("choices") or []):
+                    raise _shape_error("a stream event without a list of choice objects", chunk)
                 text = chunk["choices"][0].get("text") if chunk.get("choices") else None
                 if text and rec.ttft_s is None:
                     rec.ttft_s = time.monotonic() - start
@@ -187,9 +190,22 @@ class ProbeClient:
         return 200, ""
 
 
+def _shape_error(what: str, value: Any) -> ValueError:
+    return ValueError(f"HTTP 200 but not an OpenAI completion ({what}: {one_line(json.dumps(value)[:120])})")
+
+
 def _fill(rec: Completion, data: dict[str, Any]) -> None:
-    """Copy a completions reply (OpenAI's legacy logprobs format) into the record."""
-    choice = data["choices"][0]
+    """Copy a completions reply (OpenAI's legacy logprobs format) into the record; ValueError (a
+    sentence) for a reply of another shape (it was an IndexError's traceback)."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _shape_error("no choices[0] object", data)
+    choice = choices[0]
+    for key, value in (("choices[0].logprobs", choice.get("logprobs")), ("usage", data.get("usage")),
+                       ("usage.prompt_tokens_details", (data.get("usage") or {}).get("prompt_tokens_details")
+                        if isinstance(data.get("usage"), dict) else None)):
+        if value is not None and not isinstance(value, dict):
+            raise _shape_error(f"{key} is not an object", value)
     rec.text = choice.get("text") or ""
     rec.finish_reason = choice.get("finish_reason")
     lp = choice.get("logprobs")

@@ -193,12 +193,15 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
             if self.path.split("?", 1)[0] != "/check":
                 self._elsewhere("POST")
                 return
+            given = self.headers.get("Content-Length")
             try:
-                length = int(self.headers.get("Content-Length", "-1"))
+                length = int(given) if given is not None else -1
             except ValueError:
-                length = -1
-            if length < 0:
-                self._refuse_unread(411, {"error": "Content-Length required"})
+                length = -2
+            if length < 0:  # none: 411; one that is no length ("abc", "-5"): 400
+                status = 411 if given is None else 400
+                self._refuse_unread(status, {"error": "Content-Length required" if given is None else
+                                             "Content-Length is not a length"})
                 return
             if length > MAX_BODY:
                 self._refuse_unread(413, {"error": f"body over {MAX_BODY} bytes"})
@@ -219,6 +222,7 @@ def make_server(variant: str, passcode: str, host: str = "127.0.0.1", port: int 
                 candidate = json.loads(raw)["passcode"]
                 if not isinstance(candidate, str):
                     raise TypeError
+                candidate.encode()  # "\ud800" (half of an escaped pair) is JSON but no text: 400, not a dropped connection
             except (ValueError, KeyError, TypeError):
                 self._reply(400, {"error": 'body must be {"passcode": "<string>"}'})
                 return

@@ -139,3 +139,15 @@ def test_loopback_load_catches_the_buggy_variant_only() -> None:
     assert runs[-1].false_accepts > 0, runs
     fixed = loopback_load("lock_local", clients=8, requests=2000)
     assert fixed.requests == 2000 and (fixed.false_accepts, fixed.false_rejects) == (0, 0)
+
+
+def test_a_lone_surrogate_or_a_length_that_is_no_length_gets_a_400(server: int) -> None:
+    """A QA pass: '{"passcode": "\\ud800"}' is JSON but no text, and hashing it raised on the handler's
+    thread, so the client got no reply at all; a Content-Length of "abc" or -5 was answered 411
+    ("required") as if none had been sent."""
+    assert _post(server, b'{"passcode": "\\ud800"}')[0] == 400
+    for length in (b"abc", b"-5"):
+        reply = _raw(server, b"POST /check HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 400") and b"not a length" in reply, reply
+    assert _raw(server, b"POST /check HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 411")
+    assert _post(server, json.dumps({"passcode": "x"}).encode())[0] == 200  # and it goes on
