@@ -278,3 +278,12 @@ def test_an_output_that_cannot_be_written_is_one_sentence(tiny_path):
         out = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=180)
     assert out.returncode == 2 and "cannot write the output" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_prompt_that_is_not_utf8_says_so(tiny_path):
+    """A command-line argument with a byte that is not UTF-8 reaches Python as U+DCxx (surrogateescape):
+    it said 'a lone UTF-16 surrogate', which a shell user never typed."""
+    out = subprocess.run([sys.executable, "-m", "isolab.cli", "generate", b"a\xffb", "--model", str(tiny_path),
+                          "--max-tokens", "2"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "not valid UTF-8 (byte 0xff)" in out.stderr, out.stderr

@@ -67,7 +67,9 @@ class Tokenizer:
                 except OSError:
                     pass  # a read-only home only costs the next start a conversion
         except Exception as exc:
-            raise ModelLoadError(f"the tokenizer in {str(gguf_path)!r} could not be built ({exc})") from exc
+            # a KeyError's text is the bare key ('tokens'): name it as the GGUF's metadata does
+            why = f"no tokenizer.ggml.{exc.args[0]} in its metadata" if isinstance(exc, KeyError) and exc.args else exc
+            raise ModelLoadError(f"the tokenizer in {str(gguf_path)!r} could not be built ({why})") from exc
         _release_construction_tables(self._tok)
         if default_template and not getattr(self._tok, "chat_template", None):
             self._tok.chat_template = default_template
@@ -111,8 +113,12 @@ class Tokenizer:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise InvalidRequestError("the text holds a lone UTF-16 surrogate; send valid Unicode",
-                                          field="prompt") from None
+                # U+DC80..U+DCFF: a byte of a command-line argument that was not UTF-8 (Python's
+                # surrogateescape); any other: half of an escaped UTF-16 pair
+                raw = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
+                why = (f"the text is not valid UTF-8 (byte 0x{ord(raw) - 0xDC00:02x})" if raw is not None else
+                       "the text holds a lone UTF-16 surrogate")
+                raise InvalidRequestError(f"{why}; send valid Unicode", field="prompt") from None
             raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -83,3 +83,20 @@ def test_a_family_template_for_a_file_without_one_is_said(tmp_path, caplog):
         assert not caplog.records
         tok = Tokenizer(path, fingerprint, default_template="{{ messages[0]['content'] }}")
     assert tok.has_chat_template and "carries no chat template" in caplog.text and "tiny-base.gguf" in caplog.text
+
+
+def test_a_gguf_without_a_token_list_names_the_missing_key(tiny_path, monkeypatch, tmp_path):
+    """transformers raises KeyError('tokens') for a GGUF without tokenizer.ggml.tokens: the sentence
+    said only "('tokens')"; it names the metadata key."""
+    import transformers
+
+    from isolab.errors import ModelLoadError
+    from isolab.models import tokenizer as T
+
+    def no_tokens(*args, **kwargs):
+        raise KeyError("tokens")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_tokens)
+    monkeypatch.setattr(T, "_cache_dir", lambda fingerprint: tmp_path / "none")
+    with pytest.raises(ModelLoadError, match=r"no tokenizer\.ggml\.tokens in its metadata"):
+        T.Tokenizer(tiny_path, "a-fingerprint-no-cache-holds")

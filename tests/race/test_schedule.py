@@ -172,3 +172,18 @@ def test_the_schedule_records_the_modules_traced_beyond_the_default(tmp_path: Pa
     saved = tmp_path / "t.schedule"
     save(saved, schedule)
     assert main(["race", "explore", "--replay", str(saved), "--times", "2"]) == ExitCode.BUG
+
+
+def test_a_schedule_naming_a_thread_the_scenario_lacks_is_a_bad_file(tmp_path: Path, capsys) -> None:
+    """A step edited to `-> T99` diverged at once, exit 3, with a message naming two identical positions
+    ('schedule expects T0 at x#2, the run is at T0 at x#2'): it is one sentence, exit 2, naming T99."""
+    saved = tmp_path / "lost.schedule"
+    assert main(["race", "explore", "fixtures:lost_update", "--quiet", "--save", str(saved)]) == ExitCode.BUG
+    bad = tmp_path / "bad.schedule"
+    text = saved.read_text()
+    assert "-> T1" in text
+    bad.write_text(text.replace("-> T1", "-> T99", 1))
+    capsys.readouterr()
+    assert main(["race", "explore", "--replay", str(bad)]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "names thread T99" in err and "T0, T1" in err, err

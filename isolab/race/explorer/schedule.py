@@ -202,6 +202,11 @@ def replay(scenario: Scenario, schedule: Schedule, times: int = 1, limits: RunLi
     if scenario.name != schedule.scenario:
         raise InvalidRequestError(f"schedule is for {schedule.scenario}, not {scenario.name}")
     mode = SwitchMode(schedule.switch)  # (parse checked it)
+    for i, step in enumerate(schedule.steps):  # a thread no run has is a bad file, not a divergence (exit 3)
+        for who, may_be_none in ((step.thread, True), (step.chosen, False)):  # (step 0 runs from no thread)
+            if who not in scenario.names and not (may_be_none and who == "<none>"):
+                raise InvalidRequestError(f"schedule step {i} names thread {who}, which {scenario.name} does not "
+                                          f"have (its threads: {', '.join(scenario.names)})")
     now = source_hashes(scenario)
     changed = tuple(p for p, d in schedule.sources.items() if now.get(p) != d)
     reproduced, failed, inconclusive, divergence, last, first_failed = 0, 0, 0, None, None, None
